@@ -1,0 +1,86 @@
+"""The blocking, batch-at-a-time API: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceABC
+
+from tqdm import tqdm
+
+from warpspec.config import EngineConfig, SchedulerConfig
+from warpspec.engine import LLMEngine, Prompt
+from warpspec.outputs import RequestOutput
+from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.workers.kv_cache import CacheConfig
+
+
+class LLM:
+    """Offline generation over a Llama 4 checkpoint folder.
+
+    >>> with LLM(model="path/to/checkpoint", dtype="float32") as llm:
+    ...     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, *,
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 1.0,
+                 max_num_seqs: int = 256, seed: int = 0, device: str = "cpu"):
+        self.config = EngineConfig(
+            model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        )
+        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self._next_request = 0
+
+    @property
+    def tokenizer(self):
+        return self._engine().tokenizer
+
+    def generate(self, prompts: Prompt | SequenceABC[Prompt],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt is a string or a list of token ids; a single prompt may be passed bare. One
+        SamplingParams applies to all prompts, or pass one per prompt."""
+        engine = self._engine()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, SequenceABC)
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        # Validate the whole batch before any of it runs.
+        seqs = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            try:
+                seqs.append(engine.make_sequence(f"offline-{self._next_request + i}", prompt, params))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}") from None
+        self._next_request += len(seqs)
+        for seq in seqs:
+            engine.add_sequence(seq)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as progress:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    finished[out.request_id] = out
+                    progress.update()
+        return [finished[seq.request_id] for seq in seqs]
+
+    def shutdown(self) -> None:
+        """Release the model and its KV cache. Idempotent."""
+        self.engine = None
+
+    def _engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.engine
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

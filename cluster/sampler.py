@@ -1,0 +1,71 @@
+"""Token sampling, vectorised over the batch with per-row parameters.
+
+Each row draws its randomness from its own torch.Generator, so a seeded request produces the same
+text whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from warpspec.outputs import Logprob, PositionLogprobs
+from warpspec.sampling_params import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus.
+
+    logits [batch, vocab]; top_k [batch] int (0 = off); top_p [batch] float (1.0 = off).
+    The nucleus keeps the smallest set of most likely tokens whose probability reaches top_p:
+    probs [0.5, 0.3, 0.2], top_p 0.6 -> keep the first two (0.5 alone falls short of 0.6)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)
+    outside = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    outside |= mass_before >= top_p[:, None]
+    outside[:, 0] = False
+    return logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator]) -> torch.Tensor:
+    """logits [batch, vocab] float32 -> token ids [batch]."""
+    greedy = logits.argmax(dim=-1)
+    if all(p.is_greedy for p in params):
+        return greedy
+    device = logits.device
+    temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=device)
+    top_k = torch.tensor([p.effective_top_k for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs = apply_top_k_top_p(logits / temperature[:, None], top_k, top_p).softmax(dim=-1)
+    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
+    noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators])
+    sampled = (probs / noise.to(device)).argmax(dim=-1)
+    is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: list[int], num: int,
+                 decode: Callable[[int], str] | None = None) -> list[PositionLogprobs]:
+    """logprobs [positions, vocab] -> per position {token: Logprob} with the top `num` tokens and the
+    chosen one (which may rank anywhere)."""
+    out: list[PositionLogprobs] = []
+    top_values, top_ids = logprobs.topk(num, dim=-1) if num > 0 else (None, None)
+    chosen_t = torch.tensor(chosen, device=logprobs.device)
+    chosen_values = logprobs.gather(1, chosen_t[:, None])[:, 0]
+    chosen_ranks = (logprobs > chosen_values[:, None]).sum(dim=-1) + 1
+    for row, token in enumerate(chosen):
+        entry: PositionLogprobs = {}
+        if num > 0:
+            for rank, (tid, value) in enumerate(zip(top_ids[row].tolist(), top_values[row].tolist(), strict=True)):
+                entry[tid] = Logprob(value, rank + 1, decode(tid) if decode else None)
+        if token not in entry:
+            entry[token] = Logprob(chosen_values[row].item(), int(chosen_ranks[row]), decode(token) if decode else None)
+        out.append(entry)
+    return out

@@ -1,0 +1,78 @@
+"""Per-request generation settings, validated where the user hands them in."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it touches the batch; the message names the field."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables top-k
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Top-k log-probabilities (natural log, of the model's distribution before temperature/top-k/top-p)
+    # per generated / prompt position, plus the chosen token's own.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _require_int("max_tokens", self.max_tokens, minimum=1)
+        _require_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        _require_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        _require_int("top_k", self.top_k, minimum=-1)
+        if self.seed is not None:
+            _require_int("seed", self.seed, minimum=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _require_int("stop_token_ids", t, minimum=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value, minimum=0)
+                if value > MAX_LOGPROBS:
+                    raise InvalidRequestError(f"{name} must be at most {MAX_LOGPROBS}, got {value}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k in (-1, 0) else self.top_k
+
+
+def _require_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _require_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be finite, got {value}")

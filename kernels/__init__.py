@@ -1,0 +1,18 @@
+"""Compute kernels. Every op has a plain torch reference here; GPU versions arrive behind the same
+signatures (see the GPU-path issue)."""
+
+from warpspec.kernels.attention import paged_attention, write_kv_cache
+from warpspec.kernels.moe import moe_experts, route_topk_sigmoid
+from warpspec.kernels.norm import add_rms_norm, l2_norm, rms_norm
+from warpspec.kernels.rope import apply_rope_interleaved
+
+__all__ = [
+    "add_rms_norm",
+    "apply_rope_interleaved",
+    "l2_norm",
+    "moe_experts",
+    "paged_attention",
+    "rms_norm",
+    "route_topk_sigmoid",
+    "write_kv_cache",
+]

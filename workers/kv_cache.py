@@ -1,0 +1,41 @@
+"""Paged KV cache: per layer one tensor [2, num_blocks, block_size, num_kv_heads, head_dim], keys
+then values. Which blocks a sequence owns is the engine's bookkeeping (its block table)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warpspec.workers.model_config import ModelConfig
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # None sizes the cache from memory_gib; an explicit count is for tests and tight budgets.
+    num_blocks: int | None = None
+    memory_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        if self.memory_gib <= 0:
+            raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
+
+    def bytes_per_block(self, config: ModelConfig, dtype: torch.dtype) -> int:
+        per_token = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+        return config.num_hidden_layers * self.block_size * per_token
+
+    def resolve_num_blocks(self, config: ModelConfig, dtype: torch.dtype) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max(1, int(self.memory_gib * 2**30) // self.bytes_per_block(config, dtype))
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device | str) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

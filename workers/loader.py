@@ -1,0 +1,97 @@
+"""Load a Hugging Face Llama 4 checkpoint folder into Llama4ForCausalLM.
+
+Tensor by tensor from memory-mapped safetensors, through the model file's name-mapping table, into
+parameters allocated empty: peak memory stays near the model's own size (plus one tensor).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from warpspec.workers.errors import CheckpointError
+from warpspec.workers.llama4 import Llama4ForCausalLM, checkpoint_names, map_checkpoint_name
+from warpspec.workers.model_config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Tensors some exporters write that carry no weights we need.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of auto, {', '.join(DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        return DTYPES.get(config.torch_dtype, torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if not index.is_file():
+        raise CheckpointError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index} is not a valid safetensors index ({e!r})") from None
+    files = sorted({model_dir / f for f in weight_map.values()})
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{index} lists {f.name}, which is missing")
+    return files
+
+
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time; each tensor is read from the memory-mapped file only when
+    its turn comes."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"corrupt or unreadable safetensors file {path}: {e}") from None
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu") -> Llama4ForCausalLM:
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    files = safetensors_files(model_dir)
+    with torch.device(device):
+        model = Llama4ForCausalLM(config, resolve_dtype(dtype, config))
+    params = dict(model.named_parameters())
+    pending = {(hf_name, shard) : name for name in params for hf_name, shard in checkpoint_names(name)}
+    prefix = config.tensor_prefix
+    progress = tqdm(desc="loading weights", unit="tensor", total=len(pending), disable=None, leave=False)
+    for raw_name, tensor in iter_checkpoint_tensors(files):
+        if prefix and not raw_name.startswith(prefix):
+            continue  # vision tower and projector of a multimodal checkpoint: not served
+        name = raw_name[len(prefix):]
+        if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        param_name, shard_id = map_checkpoint_name(name)
+        if param_name not in params:
+            raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint {model_dir}")
+        param = params[param_name]
+        param.weight_loader(param, tensor, raw_name, shard_id)
+        pending.pop((name, shard_id), None)
+        progress.update()
+    progress.close()
+    if pending:
+        missing = sorted(prefix + hf_name for hf_name, _ in pending)
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
+    return model.eval()

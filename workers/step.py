@@ -1,0 +1,79 @@
+"""The description of one model step, as the runner consumes it.
+
+Every step is a flat, ragged batch of sequences: a prefill chunk, a decode (one token), or a
+speculative verification (k+1 tokens) all look alike: `query_len` new tokens appended to a
+sequence that already has `seq_len - query_len` tokens in the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceStep:
+    """One sequence's share of a step, as the engine plans it."""
+
+    token_ids: list[int]  # the new tokens to run
+    num_cached: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # KV blocks covering at least num_cached + len(token_ids) tokens
+    logits_from: int  # return logits for new tokens [logits_from, len(token_ids))
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64, cu_seqlens of the new tokens
+    seq_lens: torch.Tensor  # [num_seqs] int64, tokens in cache after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch to score
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, seqs: list[SequenceStep], block_size: int) -> StepInput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        for seq in seqs:
+            start = len(input_ids)
+            new_positions = range(seq.num_cached, seq.num_cached + len(seq.token_ids))
+            input_ids.extend(seq.token_ids)
+            positions.extend(new_positions)
+            slot_mapping.extend(seq.block_table[p // block_size] * block_size + p % block_size
+                                for p in new_positions)
+            logits_indices.extend(range(start + seq.logits_from, start + len(seq.token_ids)))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(seq.num_cached + len(seq.token_ids))
+        max_seq_len = max(seq_lens)
+        max_blocks = -(-max_seq_len // block_size)
+        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        for row, seq in enumerate(seqs):
+            table = seq.block_table[:max_blocks]
+            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        return cls(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            max_query_len=max(len(s.token_ids) for s in seqs),
+            max_seq_len=max_seq_len,
+        )
+
+    def to(self, device: torch.device | str) -> StepInput:
+        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return StepInput(**fields)
