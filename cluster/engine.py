@@ -177,9 +177,7 @@ class LLMEngine:
             seq.text += seq.detokenizer.add([token])
             if self._check_stop_strings(seq, previous_len):
                 return
-        if token in params.stop_token_ids:
-            seq.finish("stop", token)
-        elif not params.ignore_eos and token in self.eos_token_ids:
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish("stop", token)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")

@@ -1,0 +1,84 @@
+"""`warpspec` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from warpspec.sampling_params import InvalidRequestError
+from warpspec.workers.errors import CheckpointError
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from warpspec.llm import LLM
+    from warpspec.sampling_params import SamplingParams
+
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise InvalidRequestError("pass exactly one of --prompt or --prompt-token-ids")
+    prompt = args.prompt
+    if args.prompt_token_ids is not None:
+        try:
+            prompt = [int(t) for t in args.prompt_token_ids.split(",")]
+        except ValueError:
+            raise InvalidRequestError("--prompt-token-ids must be comma-separated integers") from None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    with LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len) as llm:
+        out = llm.generate([prompt], params)[0]
+    if args.json:
+        print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "text": out.text,
+                          "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "metrics": out.metrics}))
+    else:
+        print((out.prompt or "") + out.text)
+
+
+def _create_checkpoint(args: argparse.Namespace) -> None:
+    from warpspec.random_checkpoint import create_random_checkpoint
+
+    path = create_random_checkpoint(args.out, preset=args.preset, seed=args.seed)
+    print(f"wrote a random {args.preset} Llama 4 checkpoint with tokenizer to {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="warpspec", description="Serve Llama 4 MoE models with speculative decoding.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = commands.add_parser("generate", help="generate text from a checkpoint folder")
+    gen.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt-token-ids", help="prompt as comma-separated token ids")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    gen.add_argument("--max-model-len", type=int)
+    gen.add_argument("--json", action="store_true", help="print one JSON object with token ids and text")
+    gen.set_defaults(func=_generate)
+
+    create = commands.add_parser("create-checkpoint",
+                                 help="write a randomly initialised Llama 4 checkpoint with a tokenizer")
+    create.add_argument("out", help="output folder")
+    create.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    create.add_argument("--seed", type=int, default=0)
+    create.set_defaults(func=_create_checkpoint)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (CheckpointError, InvalidRequestError, ValueError) as e:
+        print(f"warpspec: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
