@@ -54,13 +54,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time; each tensor is read from the memory-mapped file only when
-    its turn comes."""
+    """Yield (name, tensor) one at a time, read from the memory-mapped file only when its turn comes.
+
+    The file is mapped afresh for each tensor: pages of a mapping held open for the whole file would
+    stay in the process's resident set, doubling peak RSS to model + file."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                    yield name, f.get_tensor(name)
+                names = list(f.keys())
+            for name in names:
+                with safe_open(str(path), framework="pt") as f:
+                    tensor = f.get_tensor(name)
+                yield name, tensor
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"corrupt or unreadable safetensors file {path}: {e}") from None
 

@@ -1,0 +1,155 @@
+"""Loading checkpoints: the layouts warpspec accepts, the one-line errors for those it refuses, and
+peak memory while loading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.workers.errors import CheckpointError
+from warpspec.workers.loader import load_model
+from warpspec.workers.model_config import ModelConfig
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    return create_random_checkpoint(tmp_path / "ckpt", "tiny")
+
+
+def _rewrite_tensors(path: Path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def _rewrite_config(path: Path, edit) -> None:
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_model(tmp_path / "empty")
+
+
+def test_config_that_is_not_json(checkpoint):
+    (checkpoint / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_model(checkpoint)
+
+
+def test_unsupported_architecture(checkpoint):
+    _rewrite_config(checkpoint, lambda c: c.update(architectures=["MixtralForCausalLM"], model_type="mixtral"))
+    with pytest.raises(CheckpointError, match=r"unsupported architecture \['MixtralForCausalLM'\]"):
+        load_model(checkpoint)
+
+
+def test_missing_config_key(checkpoint):
+    _rewrite_config(checkpoint, lambda c: c.pop("hidden_size"))
+    with pytest.raises(CheckpointError, match="missing required key 'hidden_size'"):
+        load_model(checkpoint)
+
+
+def test_unsupported_rope_type(checkpoint):
+    _rewrite_config(checkpoint, lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
+    with pytest.raises(CheckpointError, match="unsupported rope type 'yarn'"):
+        load_model(checkpoint)
+
+
+def test_missing_tensor_is_named(checkpoint):
+    _rewrite_tensors(checkpoint, lambda t: t.pop("model.layers.2.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.2\.self_attn\.k_proj\.weight"):
+        load_model(checkpoint)
+
+
+def test_unexpected_tensor_is_named(checkpoint):
+    _rewrite_tensors(checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_norm\.weight'"):
+        load_model(checkpoint)
+
+
+def test_shape_mismatch_names_tensor_expected_and_got(checkpoint):
+    def shrink(t):
+        t["model.layers.1.feed_forward.experts.down_proj"] = t["model.layers.1.feed_forward.experts.down_proj"][:3]
+    _rewrite_tensors(checkpoint, shrink)
+    with pytest.raises(CheckpointError, match=r"shape mismatch for model\.layers\.1\.feed_forward\.experts\.down_proj: "
+                                              r"expected \[4, 64, 64\], got \[3, 64, 64\]"):
+        load_model(checkpoint)
+
+
+def test_shape_mismatch_in_a_stacked_tensor(checkpoint):
+    def shrink(t):
+        t["model.layers.0.self_attn.v_proj.weight"] = t["model.layers.0.self_attn.v_proj.weight"][:8]
+    _rewrite_tensors(checkpoint, shrink)
+    with pytest.raises(CheckpointError, match=r"v_proj\.weight: expected \[16, 64\], got \[8, 64\]"):
+        load_model(checkpoint)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_safetensors(checkpoint, damage):
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(b"\x13\x00garbage" * 10 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or unreadable safetensors file"):
+        load_model(checkpoint)
+
+
+def test_no_weights_file(checkpoint):
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
+        load_model(checkpoint)
+
+
+def test_sharded_index_with_missing_shard(checkpoint):
+    tensors = load_file(checkpoint / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, checkpoint / "model-00001-of-00002.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    weight_map = {n: "model-00001-of-00002.safetensors" if i < half else "model-00002-of-00002.safetensors"
+                  for i, n in enumerate(names)}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="lists model-00002-of-00002.safetensors, which is missing"):
+        load_model(checkpoint)
+    save_file({n: tensors[n] for n in names[half:]}, checkpoint / "model-00002-of-00002.safetensors")
+    assert load_model(checkpoint).config.num_hidden_layers == 4
+
+
+def test_bad_dtype(checkpoint):
+    with pytest.raises(ValueError, match="dtype 'float64' is not supported"):
+        load_model(checkpoint, "float64")
+
+
+def test_auto_dtype_takes_the_checkpoints(checkpoint):
+    _rewrite_config(checkpoint, lambda c: c.update(dtype="bfloat16"))
+    assert load_model(checkpoint, "auto").model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_generation_config_eos_overrides_config(checkpoint):
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert ModelConfig.from_pretrained(checkpoint).eos_token_ids == [2, 7]
+
+
+def test_peak_memory_while_loading_stays_near_model_size(tmp_path):
+    """Resident memory may grow by the model plus about one tensor, not model + mapped file."""
+    path = create_random_checkpoint(tmp_path / "big", "small", hidden_size=512, intermediate_size=512,
+                                    intermediate_size_mlp=1024, num_attention_heads=8, head_dim=64)
+    probe = Path(__file__).with_name("peak_rss_while_loading.py")
+    result = subprocess.run([sys.executable, str(probe), str(path)], capture_output=True, text=True, check=True)
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["model_bytes"] > 100e6  # large enough that interpreter noise cannot hide a doubling
+    assert figures["peak_growth_bytes"] <= 1.3 * figures["model_bytes"], figures
