@@ -56,6 +56,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
             if self.tokenizer is None:
                 raise InvalidRequestError(f"{self.config.model} has no tokenizer.json: pass prompts as token ids")
             prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
