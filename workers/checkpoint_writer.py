@@ -42,7 +42,8 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict:
         "attention_chunk_size": config.attention_chunk_size,
         "use_qk_norm": config.use_qk_norm,
         "attn_temperature_tuning": config.attn_temperature_tuning,
-        "floor_scale": config.floor_scale,
+        # transformers' strict config wants an int here whenever the value is one.
+        "floor_scale": int(config.floor_scale) if config.floor_scale.is_integer() else config.floor_scale,
         "attn_scale": config.attn_scale,
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,

@@ -62,3 +62,15 @@ def test_errors_are_one_line_without_a_traceback(checkpoint, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_generate_on_a_transformers_saved_checkpoint(checkpoint, tmp_path):
+    from hf_checkpoints import load_reference, make_text_checkpoint, reference_greedy
+
+    hf_dir = make_text_checkpoint(tmp_path / "hf", vocab_size=512)
+    shutil.copy(checkpoint / "tokenizer.json", hf_dir / "tokenizer.json")
+    result = run("generate", "--model", str(hf_dir), "--prompt", "import sys", "--max-tokens", "10",
+                 "--ignore-eos", "--json")
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    assert got["token_ids"] == reference_greedy(load_reference(hf_dir), got["prompt_token_ids"], 10)
