@@ -16,6 +16,43 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
 
 
+EXECUTORS = ("auto", "local", "ray")
+DISPATCH_MODES = ("compiled", "actor")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+COMM_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class ParallelConfig:
+    num_workers: int = 1  # ranks the model is sharded over, one GPU (or one process on CPU) each
+    # "local" runs one rank in this process; "ray" puts a coordinator and num_workers worker actors on
+    # a Ray cluster; "auto" is local for one worker and ray otherwise.
+    executor: str = "auto"
+    # Per-step dispatch from the coordinator to the workers: a Ray Compiled Graph, or plain actor calls.
+    dispatch: str = "compiled"
+    placement_strategy: str = "STRICT_PACK"
+    placement_timeout_s: float = 60.0
+    comm_backend: str = "auto"  # gloo on CPU, nccl on GPU
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"num_workers must be a positive integer, got {self.num_workers!r}")
+        for name, value, allowed in (("executor", self.executor, EXECUTORS),
+                                     ("dispatch", self.dispatch, DISPATCH_MODES),
+                                     ("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES),
+                                     ("comm_backend", self.comm_backend, COMM_BACKENDS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.executor == "local" and self.num_workers > 1:
+            raise ValueError(f"executor='local' runs one worker; num_workers={self.num_workers} needs executor='ray'")
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s must be positive, got {self.placement_timeout_s}")
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.executor == "ray" or (self.executor == "auto" and self.num_workers > 1)
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -26,6 +63,8 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run_dir: str = "runs"  # where a locally started Ray keeps its session files
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

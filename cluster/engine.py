@@ -15,12 +15,13 @@ import torch
 
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
+from warpspec.errors import EngineError
+from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.sequence import Sequence
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
-from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
 
 Prompt = str | list[int]
@@ -29,12 +30,12 @@ Prompt = str | list[int]
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device)
-        self.model_config = self.runner.config
+        self.executor = make_executor(config)
+        self.model_config = self.executor.model_config
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.block_size = config.cache.block_size
-        self.block_manager = BlockManager(self.runner.num_blocks, self.block_size)
+        self.block_manager = BlockManager(self.executor.num_blocks, self.block_size)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.seed_source = torch.Generator().manual_seed(config.seed)
         self.waiting: deque[Sequence] = deque()
@@ -104,7 +105,11 @@ class LLMEngine:
             return []
         plan = [self._plan(seq, is_prefill=bool(admitted)) for seq in seqs]
         step = StepInput.build(plan, self.block_size)
-        logits = self.runner.execute(step).logits
+        try:
+            logits = self.executor.execute(step).logits
+        except EngineError:
+            self._fail_all()
+            raise
         # Each sequence's logits rows are consecutive; its last row predicts the next token.
         rows_per_seq = [len(p.token_ids) - p.logits_from for p in plan]
         last_rows = torch.tensor(rows_per_seq).cumsum(0) - 1
@@ -126,6 +131,16 @@ class LLMEngine:
             self.running.remove(seq)
             self.block_manager.free(seq.request_id)
         return [seq.to_output() for seq in finished]
+
+    def _fail_all(self) -> None:
+        """The replica cannot run steps: drop every request and its blocks, so nothing waits forever."""
+        for seq in [*self.running, *self.waiting]:
+            self.block_manager.free(seq.request_id)
+        self.running.clear()
+        self.waiting.clear()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _admit(self) -> list[Sequence]:
         admitted = []

@@ -6,7 +6,7 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
 
-from warpspec.config import EngineConfig, SchedulerConfig
+from warpspec.config import EngineConfig, ParallelConfig, SchedulerConfig
 from warpspec.engine import LLMEngine, Prompt
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -14,7 +14,9 @@ from warpspec.workers.kv_cache import CacheConfig
 
 
 class LLM:
-    """Offline generation over a Llama 4 checkpoint folder.
+    """Offline generation over a Llama 4 checkpoint folder, in this process (num_workers=1) or
+    sharded over num_workers Ray worker actors (a local Ray cluster is started unless RAY_ADDRESS
+    names one).
 
     >>> with LLM(model="path/to/checkpoint", dtype="float32") as llm:
     ...     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
@@ -22,11 +24,16 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, *,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 1.0,
-                 max_num_seqs: int = 256, seed: int = 0, device: str = "cpu"):
+                 max_num_seqs: int = 256, seed: int = 0, device: str = "cpu", num_workers: int = 1,
+                 executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
+                 run_dir: str = "runs"):
         self.config = EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+            parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
+                                    placement_timeout_s=placement_timeout_s),
+            run_dir=run_dir,
         )
         self.engine: LLMEngine | None = LLMEngine(self.config)
         self._next_request = 0
@@ -71,7 +78,10 @@ class LLM:
         return [finished[seq.request_id] for seq in seqs]
 
     def shutdown(self) -> None:
-        """Release the model and its KV cache. Idempotent."""
+        """Release the model, its KV cache and, on Ray, the coordinator, workers and their placement
+        group. Idempotent."""
+        if self.engine is not None:
+            self.engine.shutdown()
         self.engine = None
 
     def _engine(self) -> LLMEngine:

@@ -25,17 +25,18 @@ class CacheConfig:
         if self.memory_gib <= 0:
             raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
 
-    def bytes_per_block(self, config: ModelConfig, dtype: torch.dtype) -> int:
-        per_token = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    def bytes_per_block(self, config: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
+        per_token = 2 * num_kv_heads * config.head_dim * dtype.itemsize
         return config.num_hidden_layers * self.block_size * per_token
 
-    def resolve_num_blocks(self, config: ModelConfig, dtype: torch.dtype) -> int:
+    def resolve_num_blocks(self, config: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
+        """memory_gib is per rank; num_kv_heads is the rank's share."""
         if self.num_blocks is not None:
             return self.num_blocks
-        return max(1, int(self.memory_gib * 2**30) // self.bytes_per_block(config, dtype))
+        return max(1, int(self.memory_gib * 2**30) // self.bytes_per_block(config, num_kv_heads, dtype))
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device | str) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+def allocate_kv_cache(config: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
+                      dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, num_kv_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

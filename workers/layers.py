@@ -1,9 +1,13 @@
-"""Building blocks of the model, each owning its parameters and a `weight_loader` that copies a
-checkpoint tensor into them. Parameters are allocated with torch.empty: nothing is touched (or paid
-for in memory) until the loader writes it.
+"""Building blocks of the model. Each layer owns its parameters, knows which part of a checkpoint
+tensor belongs to its rank, and reads only that part (`weight_loader`). Parameters start as
+torch.empty: memory is paid for only when the loader writes it.
 
-Sharding across workers lives here too, once it exists: a single-process run is the degenerate
-case in which every layer holds the whole tensor.
+Parallel layout over `comm.world_size` ranks (a single process is world_size 1, where every rule
+below selects the whole tensor):
+- column-parallel: output features split, each rank computes its slice of the output;
+- row-parallel: input features split, each rank produces a partial sum that the next
+  `allreduce_residual_rmsnorm` reduces (so there is no collective inside the layer);
+- vocab-parallel embedding / lm_head: vocabulary rows split.
 """
 
 from __future__ import annotations
@@ -12,78 +16,162 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from warpspec.kernels import add_rms_norm, rms_norm
+from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 
 
-def _check_shape(name: str, expected: torch.Size | tuple[int, ...], got: torch.Size) -> None:
+class CheckpointTensor:
+    """A tensor in a checkpoint file, read only in the slices asked for (a safetensors slice, or an
+    in-memory tensor for tests and conversions)."""
+
+    def __init__(self, source, shape: tuple[int, ...]):
+        self.source = source
+        self.shape = tuple(shape)
+        self.bytes_read = 0
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> CheckpointTensor:
+        return cls(tensor, tuple(tensor.shape))
+
+    def read(self, *index: slice) -> torch.Tensor:
+        out = self.source[index] if index else self.source[:]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+
+def even_split(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank's part when total need not divide: 6 over 4 ranks -> 2, 2, 1, 1."""
+    base, extra = divmod(total, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def check_shape(name: str, expected: tuple[int, ...], got: tuple[int, ...]) -> None:
     if tuple(expected) != tuple(got):
         raise CheckpointError(f"shape mismatch for {name}: expected {list(expected)}, got {list(got)}")
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: object = None) -> None:
-    _check_shape(name, param.shape, loaded.shape)
-    param.data.copy_(loaded)
-
-
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-    param.weight_loader = default_weight_loader
+    param.weight_loader = replicated_weight_loader
     return param
 
 
+def replicated_weight_loader(param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+    check_shape(name, tuple(param.shape), loaded.shape)
+    param.data.copy_(loaded.read())
+
+
 class Linear(nn.Module):
-    """y = x @ W.T with W in nn.Linear layout [out_features, in_features], no bias.
+    """y = x @ W.T, W in nn.Linear layout [out_features, in_features], no bias, held whole."""
 
-    `shard_sizes` stacks several checkpoint matrices along the output dim, so one matmul does the
-    work of many: qkv_proj = {"q": Hq*D, "k": Hkv*D, "v": Hkv*D} holds q_proj, k_proj, v_proj."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 shard_sizes: dict[object, int] | None = None):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
-        self.shard_offsets: dict[object, tuple[int, int]] = {}
-        offset = 0
-        for shard_id, size in (shard_sizes or {}).items():
-            self.shard_offsets[shard_id] = (offset, size)
-            offset += size
-        if shard_sizes and offset != out_features:
-            raise ValueError(f"shard sizes sum to {offset}, not out_features {out_features}")
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, shard_id: object = None) -> None:
-        if shard_id is None:
-            default_weight_loader(param, loaded, name)
-            return
-        offset, size = self.shard_offsets[shard_id]
-        _check_shape(name, (size, param.shape[1]), loaded.shape)
-        param.data[offset : offset + size].copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
-class Embedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+class ColumnParallelLinear(Linear):
+    """Several checkpoint matrices stacked along the output dim, each split across ranks by rows.
+
+    `shards` maps shard id -> (rows in the checkpoint tensor, [start, end) of them on this rank):
+    gate_up_proj over 2 ranks, rank 1 = {0: (I, (I/2, I)), 1: (I, (I/2, I))} holds the second half of
+    gate_proj then the second half of up_proj."""
+
+    def __init__(self, in_features: int, shards: dict[object, tuple[int, tuple[int, int]]], dtype: torch.dtype):
+        self.shards = shards
+        self.shard_offsets: dict[object, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, (_, (start, end)) in shards.items():
+            self.shard_offsets[shard_id] = (offset, end - start)
+            offset += end - start
+        super().__init__(in_features, offset, dtype)
+        self.weight.weight_loader = self.weight_loader
+
+    @classmethod
+    def even(cls, in_features: int, shard_sizes: dict[object, int], comm: Communicator,
+             dtype: torch.dtype) -> ColumnParallelLinear:
+        """Each shard split into world_size equal row blocks."""
+        shards = {}
+        for shard_id, size in shard_sizes.items():
+            local = size // comm.world_size
+            shards[shard_id] = (size, (comm.rank * local, (comm.rank + 1) * local))
+        return cls(in_features, shards, dtype)
+
+    @classmethod
+    def qkv(cls, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, comm: Communicator,
+            dtype: torch.dtype) -> ColumnParallelLinear:
+        """q_proj, k_proj, v_proj stacked and split by attention head. With more ranks than KV heads,
+        KV heads are replicated: 8 query / 2 KV heads on 4 ranks -> rank r holds query heads 2r, 2r+1
+        and KV head r // 2 (the one those query heads read)."""
+        q_local = num_heads // comm.world_size
+        kv_local = max(1, num_kv_heads // comm.world_size)
+        first_kv = comm.rank * num_kv_heads // comm.world_size
+        q_rows = (comm.rank * q_local * head_dim, (comm.rank + 1) * q_local * head_dim)
+        kv_rows = (first_kv * head_dim, (first_kv + kv_local) * head_dim)
+        return cls(hidden, {"q": (num_heads * head_dim, q_rows), "k": (num_kv_heads * head_dim, kv_rows),
+                            "v": (num_kv_heads * head_dim, kv_rows)}, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        full_rows, (start, end) = self.shards[shard_id]
+        check_shape(name, (full_rows, param.shape[1]), loaded.shape)
+        offset, size = self.shard_offsets[shard_id]
+        param.data[offset : offset + size].copy_(loaded.read(slice(start, end)))
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks; the output is this rank's partial sum, reduced later by the
+    fused all-reduce + residual + RMSNorm."""
+
+    def __init__(self, in_features: int, out_features: int, comm: Communicator, dtype: torch.dtype):
+        self.in_full = in_features
+        local = in_features // comm.world_size
+        self.cols = (comm.rank * local, (comm.rank + 1) * local)
+        super().__init__(local, out_features, dtype)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        check_shape(name, (param.shape[0], self.in_full), loaded.shape)
+        param.data.copy_(loaded.read(slice(None), slice(*self.cols)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Vocabulary rows split across ranks (even_split, so ranks' parts are in vocabulary order). Looking up a token
+    another rank owns gives zeros here; the sum over ranks is the embedding. The lm_head has the same
+    layout (its own weight, or this one when embeddings are tied)."""
+
+    def __init__(self, vocab_size: int, hidden: int, comm: Communicator, dtype: torch.dtype):
         super().__init__()
-        self.weight = empty_param(num_embeddings, embedding_dim, dtype=dtype)
+        self.vocab_size = vocab_size
+        self.world_size = comm.world_size
+        self.start, self.end = even_split(vocab_size, comm.world_size, comm.rank)
+        self.weight = empty_param(self.end - self.start, hidden, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        check_shape(name, (self.vocab_size, param.shape[1]), loaded.shape)
+        param.data.copy_(loaded.read(slice(self.start, self.end)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        """[num_tokens] -> [num_tokens, hidden], partial over ranks when world_size > 1."""
+        if self.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        is_local = (input_ids >= self.start) & (input_ids < self.end)
+        local_ids = torch.where(is_local, input_ids - self.start, 0)
+        return F.embedding(local_ids, self.weight) * is_local[:, None].to(self.weight.dtype)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; called with a residual it is the fused "add the residual, then normalise" op that
-    follows every row-parallel projection (and, sharded, the all-reduce before it)."""
+    """Called with (partial, residual): the fused all-reduce + residual add + RMSNorm that follows
+    every row-parallel output; returns (normed, new_residual)."""
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, eps: float, comm: Communicator, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_param(hidden_size, dtype=dtype)
         self.eps = eps
+        self.comm = comm
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, partial: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.comm.allreduce_residual_rmsnorm(partial, residual, self.weight, self.eps)

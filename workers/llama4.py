@@ -2,6 +2,9 @@
 
 Knows nothing of serving: `forward(input_ids, positions, step)` runs one flat ragged batch and
 returns the final hidden states; logits are computed separately for the rows that need them.
+Sharded over `comm.world_size` ranks: attention heads and MLP widths tensor-parallel, routed experts
+expert-parallel, vocabulary split. Every reduction is one `allreduce_residual_rmsnorm`, two per
+decoder layer (after attention, after the feed-forward).
 """
 
 from __future__ import annotations
@@ -18,7 +21,18 @@ from warpspec.kernels import (
     route_topk_sigmoid,
     write_kv_cache,
 )
-from warpspec.workers.layers import Embedding, Linear, RMSNorm, empty_param
+from warpspec.workers.comm import Communicator
+from warpspec.workers.layers import (
+    CheckpointTensor,
+    ColumnParallelLinear,
+    Linear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_shape,
+    empty_param,
+    even_split,
+)
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.rope import rope_freqs_cis, rope_inv_freq
 from warpspec.workers.step import StepInput
@@ -47,11 +61,14 @@ def map_checkpoint_name(name: str) -> tuple[str, object]:
 
 
 class Llama4Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, comm: Communicator, dtype: torch.dtype):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = ColumnParallelLinear.qkv(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                                 config.num_key_value_heads, comm, dtype)
+        self.num_heads = self.qkv_proj.shard_offsets["q"][1] // self.head_dim  # this rank's heads
+        self.num_kv_heads = self.qkv_proj.shard_offsets["k"][1] // self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, comm, dtype)
         self.scale = self.head_dim**-0.5
         self.uses_rope = config.uses_rope(layer_id)
         self.uses_qk_norm = config.use_qk_norm and self.uses_rope
@@ -60,10 +77,6 @@ class Llama4Attention(nn.Module):
         self.floor_scale = config.floor_scale
         self.attn_scale = config.attn_scale
         self.eps = config.rms_norm_eps
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, dtype,
-                               shard_sizes={"q": q_size, "k": kv_size, "v": kv_size})
-        self.o_proj = Linear(q_size, config.hidden_size, dtype)
         # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner.
         self.kv_cache: torch.Tensor | None = None
 
@@ -92,13 +105,14 @@ class Llama4Attention(nn.Module):
 
 
 class Llama4MLP(nn.Module):
-    """SwiGLU MLP: the dense layers' feed-forward and the MoE's always-on shared expert."""
+    """SwiGLU MLP: the dense layers' feed-forward and the MoE's always-on shared expert. Tensor
+    parallel; returns a partial sum."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype,
-                                   shard_sizes={0: intermediate_size, 1: intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
+        self.gate_up_proj = ColumnParallelLinear.even(hidden_size, {0: intermediate_size, 1: intermediate_size},
+                                                      comm, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -106,93 +120,107 @@ class Llama4MLP(nn.Module):
 
 
 class Llama4Experts(nn.Module):
-    """Routed experts in the checkpoint's fused layout: gate_up_proj [E, H, 2I], down_proj [E, I, H]."""
+    """Routed experts in the checkpoint's fused layout, gate_up_proj [E, H, 2I] and down_proj [E, I, H],
+    expert-parallel: this rank holds experts [first_expert, end_expert) (6 over 4 ranks: 2, 2, 1, 1)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
         super().__init__()
-        num_experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = empty_param(num_experts, hidden, 2 * inter, dtype=dtype)
-        self.down_proj = empty_param(num_experts, inter, hidden, dtype=dtype)
+        self.num_experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.first_expert, self.end_expert = even_split(self.num_experts, comm.world_size, comm.rank)
+        num_local = self.end_expert - self.first_expert
+        self.gate_up_proj = empty_param(num_local, hidden, 2 * inter, dtype=dtype)
+        self.down_proj = empty_param(num_local, inter, hidden, dtype=dtype)
+        self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        check_shape(name, (self.num_experts, *param.shape[1:]), loaded.shape)
+        param.data.copy_(loaded.read(slice(self.first_expert, self.end_expert)))
 
 
 class Llama4MoE(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """Router replicated on every rank; each rank runs its own experts on the tokens routed to them
+    and its slice of the shared expert. The sum of the two partials over ranks is the MoE output."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = Linear(config.hidden_size, config.num_local_experts, dtype)
-        self.experts = Llama4Experts(config, dtype)
-        self.shared_expert = Llama4MLP(config.hidden_size, config.intermediate_size, dtype)
+        self.experts = Llama4Experts(config, comm, dtype)
+        self.shared_expert = Llama4MLP(config.hidden_size, config.intermediate_size, comm, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expert_ids, scores = route_topk_sigmoid(self.router(x), self.top_k)
-        routed = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, scores)
+        routed = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, scores,
+                             first_expert=self.experts.first_expert)
         return self.shared_expert(x) + routed
 
 
 class Llama4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, comm: Communicator, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = Llama4Attention(config, layer_id, dtype)
+        self.self_attn = Llama4Attention(config, layer_id, comm, dtype)
         if config.is_moe_layer(layer_id):
-            self.feed_forward: nn.Module = Llama4MoE(config, dtype)
+            self.feed_forward: nn.Module = Llama4MoE(config, comm, dtype)
         else:
-            self.feed_forward = Llama4MLP(config.hidden_size, config.intermediate_size_mlp, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.feed_forward = Llama4MLP(config.hidden_size, config.intermediate_size_mlp, comm, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                step: StepInput, freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden is the previous layer's un-added MLP output (the embedding for layer 0); returns
-        this layer's un-added MLP output and the residual stream, for the next fused add+norm."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, step, freqs_cis)
+    def forward(self, positions: torch.Tensor, normed: torch.Tensor, residual: torch.Tensor, step: StepInput,
+                freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """normed: input_layernorm's output (the model applies it, fused with the previous layer's
+        reduction); returns the feed-forward's partial output and the residual stream after attention."""
+        hidden = self.self_attn(positions, normed, step, freqs_cis)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
 
 
 class Llama4Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, dtype)
+        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, comm, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
 
 
 class Llama4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Communicator | None = None):
         super().__init__()
         self.config = config
-        self.model = Llama4Model(config, dtype)
+        self.comm = comm or Communicator()
+        self.model = Llama4Model(config, self.comm, dtype)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype)
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.comm, dtype)
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInput,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions [num_tokens] -> final normed hidden [num_tokens, hidden] and, for each
-        layer id in aux_layer_ids, the residual stream ENTERING that layer [num_tokens, hidden]
-        (EAGLE-3's features; id == num_layers gives the stream before the final norm)."""
+        layer id in aux_layer_ids (in increasing order), the residual stream ENTERING that layer
+        [num_tokens, hidden] (EAGLE-3's features; id == num_layers: the stream before the final norm)."""
         freqs_cis = rope_freqs_cis(positions, self.inv_freq)
+        # The embedding is a partial sum over vocabulary shards; layer 0's input norm reduces it.
         hidden, residual = self.model.embed_tokens(input_ids), None
         aux: list[torch.Tensor] = []
         for layer_id, layer in enumerate(self.model.layers):
+            # Reduce the previous partial, add it to the stream, normalise: one collective. After it,
+            # `residual` is the full stream entering this layer, the value EAGLE-3 captures.
+            normed, residual = layer.input_layernorm(hidden, residual)
             if layer_id in aux_layer_ids:
-                aux.append(hidden if residual is None else hidden + residual)
-            hidden, residual = layer(positions, hidden, residual, step, freqs_cis)
+                aux.append(residual)
+            hidden, residual = layer(positions, normed, residual, step, freqs_cis)
+        hidden, residual = self.model.norm(hidden, residual)
         if len(self.model.layers) in aux_layer_ids:
-            aux.append(hidden + residual)
-        hidden, _ = self.model.norm(hidden, residual)
+            aux.append(residual)
         return hidden, aux
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_logits, hidden] -> [num_logits, vocab] float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[num_logits, hidden] -> [num_logits, vocab] float32 on rank 0; None on other ranks."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        local = F.linear(hidden, head.weight).float()
+        return self.comm.gather(local, dim=-1)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -211,3 +239,26 @@ def checkpoint_names(param_name: str) -> list[tuple[str, object]]:
             i = segments.index(names[0][0])
             return [(".".join(segments[:i] + [theirs] + segments[i + 1:]), shard) for _, theirs, shard in names]
     return [(param_name, None)]
+
+
+def check_parallel_layout(config: ModelConfig, world_size: int) -> None:
+    """Raise before any weight is read if the model cannot be split over world_size ranks."""
+    if world_size < 1:
+        raise ValueError(f"num_workers must be at least 1, got {world_size}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % world_size:
+        raise ValueError(f"num_workers={world_size} must divide num_attention_heads={heads}")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(f"num_workers={world_size} must divide num_key_value_heads={kv_heads} or be a "
+                         "multiple of it (KV heads are then replicated)")
+    widths = {}
+    if config.moe_layers:
+        widths["intermediate_size"] = config.intermediate_size
+    if len(config.moe_layers) < config.num_hidden_layers:
+        widths["intermediate_size_mlp"] = config.intermediate_size_mlp
+    for name, width in widths.items():
+        if width % world_size:
+            raise ValueError(f"num_workers={world_size} must divide {name}={width}")
+    if config.moe_layers and config.num_local_experts < world_size:
+        raise ValueError(f"num_workers={world_size} exceeds num_local_experts={config.num_local_experts}: "
+                         "some workers would hold no expert")

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
+from warpspec.workers.layers import CheckpointTensor
 from warpspec.workers.llama4 import Llama4ForCausalLM, checkpoint_names, map_checkpoint_name
 from warpspec.workers.model_config import ModelConfig
 
@@ -53,8 +56,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time, read from the memory-mapped file only when its turn comes.
+def iter_checkpoint_tensors(files: list[Path]) -> Iterator[CheckpointTensor]:
+    """Yield each tensor as a CheckpointTensor that reads only the slices its layer asks for.
 
     The file is mapped afresh for each tensor: pages of a mapping held open for the whole file would
     stay in the process's resident set, doubling peak RSS to model + file."""
@@ -64,22 +67,29 @@ def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tens
                 names = list(f.keys())
             for name in names:
                 with safe_open(str(path), framework="pt") as f:
-                    tensor = f.get_tensor(name)
-                yield name, tensor
+                    tensor_slice = f.get_slice(name)
+                    yield name, CheckpointTensor(tensor_slice, tuple(tensor_slice.get_shape()))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"corrupt or unreadable safetensors file {path}: {e}") from None
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> Llama4ForCausalLM:
+@dataclass
+class LoadReport:
+    bytes_read: int  # checkpoint bytes this rank read (its shard plus the replicated tensors)
+    param_bytes: int  # bytes of the parameters it holds
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               comm: Communicator | None = None) -> Llama4ForCausalLM:
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     files = safetensors_files(model_dir)
     with torch.device(device):
-        model = Llama4ForCausalLM(config, resolve_dtype(dtype, config))
+        model = Llama4ForCausalLM(config, resolve_dtype(dtype, config), comm)
     params = dict(model.named_parameters())
-    pending = {(hf_name, shard) : name for name in params for hf_name, shard in checkpoint_names(name)}
+    pending = {(hf_name, shard): name for name in params for hf_name, shard in checkpoint_names(name)}
     prefix = config.tensor_prefix
+    bytes_read = 0
     progress = tqdm(desc="loading weights", unit="tensor", total=len(pending), disable=None, leave=False)
     for raw_name, tensor in iter_checkpoint_tensors(files):
         if prefix and not raw_name.startswith(prefix):
@@ -92,6 +102,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
             raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint {model_dir}")
         param = params[param_name]
         param.weight_loader(param, tensor, raw_name, shard_id)
+        bytes_read += tensor.bytes_read
         pending.pop((name, shard_id), None)
         progress.update()
     progress.close()
@@ -99,4 +110,5 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
         missing = sorted(prefix + hf_name for hf_name, _ in pending)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
+    model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()))
     return model.eval()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from warpspec.workers import wire
+from warpspec.workers.comm import Communicator
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.loader import load_model
 from warpspec.workers.step import StepInput
@@ -14,26 +17,42 @@ from warpspec.workers.step import StepInput
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # [num_logits, vocab] float32, rows of step.logits_indices
+    logits: torch.Tensor | None  # [num_logits, vocab] float32, rows of step.logits_indices; None off rank 0
     aux_hidden: list[torch.Tensor] = field(default_factory=list)  # each [num_tokens, hidden]
+    compute_s: float = 0.0  # the rank's own time in execute, to separate compute from dispatch
+
+    def to_bytes(self) -> bytes:
+        return wire.encode({"logits": self.logits, "aux_hidden": self.aux_hidden, "compute_s": self.compute_s})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepOutput:
+        fields = wire.decode(data)
+        return cls(fields["logits"], fields["aux_hidden"] or [], fields["compute_s"])
 
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "auto",
-                 cache_config: CacheConfig | None = None, device: str | torch.device = "cpu"):
+                 cache_config: CacheConfig | None = None, device: str | torch.device = "cpu",
+                 comm: Communicator | None = None):
         self.device = torch.device(device)
         self.cache_config = cache_config or CacheConfig()
-        self.model = load_model(model_dir, dtype, self.device)
+        self.model = load_model(model_dir, dtype, self.device, comm)
         self.config = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
-        self.num_blocks = self.cache_config.resolve_num_blocks(self.config, self.dtype)
-        self.kv_caches = allocate_kv_cache(self.config, self.num_blocks, self.cache_config.block_size,
-                                           self.dtype, self.device)
+        # Every rank holds the same number of KV heads (replicated when there are more ranks than
+        # heads), so every rank computes the same block count from the same per-rank budget.
+        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.num_blocks = self.cache_config.resolve_num_blocks(self.config, self.num_kv_heads, self.dtype)
+        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks,
+                                           self.cache_config.block_size, self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()) -> StepOutput:
+        start = time.perf_counter()
         step = step.to(self.device)
         hidden, aux = self.model(step.input_ids, step.positions, step, aux_layer_ids)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        return StepOutput(logits=logits, aux_hidden=aux)
+        if logits is None:  # not rank 0: nothing large goes back
+            aux = []
+        return StepOutput(logits=logits, aux_hidden=aux, compute_s=time.perf_counter() - start)

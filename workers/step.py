@@ -7,9 +7,11 @@ sequence that already has `seq_len - query_len` tokens in the KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from warpspec.workers import wire
 
 
 @dataclass
@@ -77,3 +79,10 @@ class StepInput:
     def to(self, device: torch.device | str) -> StepInput:
         fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return StepInput(**fields)
+
+    def to_bytes(self) -> bytes:
+        return wire.encode({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepInput:
+        return cls(**wire.decode(data))

@@ -1,0 +1,61 @@
+"""Ray actor shells: each holds one plain object and forwards calls to it."""
+
+from __future__ import annotations
+
+import ray
+
+from warpspec.config import EngineConfig
+from warpspec.coordinator import Coordinator, ReplicaInfo
+from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
+
+
+@ray.remote
+class ShardWorkerActor:
+    def __init__(self):
+        self.worker: ShardWorker | None = None
+
+    def address_and_free_port(self) -> tuple[str, int]:
+        return address_and_free_port()
+
+    def make_nccl_unique_id(self) -> bytes:
+        from warpspec.workers.comm import make_nccl_unique_id
+
+        return make_nccl_unique_id()
+
+    def start(self, config: WorkerConfig) -> WorkerInfo:
+        self.worker = ShardWorker(config)
+        return self.worker.info()
+
+    def execute(self, step_bytes: bytes) -> bytes:
+        return self.worker.execute(step_bytes)
+
+    def num_collectives(self) -> int:
+        return self.worker.num_collectives()
+
+
+# The coordinator mostly waits on its workers: it takes no CPU slot of its own.
+@ray.remote(num_cpus=0)
+class CoordinatorActor:
+    def __init__(self):
+        self.coordinator: Coordinator | None = None
+
+    def start(self, config: EngineConfig) -> ReplicaInfo:
+        self.coordinator = Coordinator(config)
+        return self.coordinator.info()
+
+    def execute(self, step_bytes: bytes) -> bytes:
+        return self.coordinator.execute(step_bytes)
+
+    def take_timings(self):
+        return self.coordinator.take_timings()
+
+    def num_collectives(self) -> list[int]:
+        return self.coordinator.num_collectives()
+
+    def worker_pids(self) -> list[int]:
+        return self.coordinator.worker_pids()
+
+    def shutdown(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.shutdown()
+            self.coordinator = None

@@ -1,0 +1,186 @@
+"""The coordinator of one model replica: places N shard workers, joins them into a collective group,
+and drives every step across all of them.
+
+Plain class; `actors.CoordinatorActor` hosts it in a Ray actor. It creates its workers itself, so a
+replica is one coordinator handle however many GPUs it spans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from warpspec.config import EngineConfig
+from warpspec.errors import PlacementError, WorkerDiedError
+from warpspec.workers.comm import CommInit
+from warpspec.workers.llama4 import check_parallel_layout
+from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.runner import StepOutput
+from warpspec.workers.worker import WorkerConfig, WorkerInfo
+
+
+@dataclass
+class ReplicaInfo:
+    num_workers: int
+    num_blocks: int
+    workers: list[WorkerInfo]
+    dispatch: str
+
+
+@dataclass
+class DispatchTiming:
+    wall_s: float  # coordinator: from sending the step to holding every worker's reply
+    slowest_compute_s: float  # the longest any worker spent inside execute
+
+    @property
+    def overhead_s(self) -> float:
+        return self.wall_s - self.slowest_compute_s
+
+
+class Coordinator:
+    def __init__(self, config: EngineConfig):
+        from warpspec.actors import ShardWorkerActor  # the actor shells import this module
+
+        self.config = config
+        self.parallel = config.parallel
+        self.is_gpu = config.device.startswith("cuda")
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        check_parallel_layout(self.model_config, self.parallel.num_workers)
+        self._check_cluster_capacity()
+        self.placement_group = self._place_bundles()
+        self.workers, self.graph = [], None
+        try:
+            self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
+            self.infos = self._start_workers()
+            self.graph = self._compile_step_graph() if self.parallel.dispatch == "compiled" else None
+        except BaseException:
+            self.shutdown()  # a half-built replica must not keep its actors or bundles
+            raise
+        self.timings: list[DispatchTiming] = []
+        self.is_broken = False
+
+    # ---- setup ----------------------------------------------------------------------------------
+
+    def _bundle(self) -> dict[str, float]:
+        return {"GPU": 1} if self.is_gpu else {"CPU": 1}
+
+    def _check_cluster_capacity(self) -> None:
+        """Fail at once, before any weight is read, when the cluster can never hold the workers."""
+        resource, per_worker = next(iter(self._bundle().items()))
+        available = ray.cluster_resources().get(resource, 0)
+        needed = per_worker * self.parallel.num_workers
+        if available < needed:
+            raise PlacementError(f"num_workers={self.parallel.num_workers} needs {needed:g} {resource} "
+                                 f"(one per worker) but the Ray cluster has {available:g}")
+
+    def _place_bundles(self):
+        bundles = [self._bundle() for _ in range(self.parallel.num_workers)]
+        group = placement_group(bundles, strategy=self.parallel.placement_strategy)
+        try:
+            ray.get(group.ready(), timeout=self.parallel.placement_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(group)
+            raise PlacementError(
+                f"could not place {len(bundles)} workers ({bundles[0]} each, {self.parallel.placement_strategy}) "
+                f"within {self.parallel.placement_timeout_s:g} s; free resources: {ray.available_resources()}"
+            ) from None
+        return group
+
+    def _create_worker(self, actor_class, rank: int):
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+        resources = {"num_gpus": 1, "num_cpus": 0} if self.is_gpu else {"num_cpus": 1}
+        return actor_class.options(scheduling_strategy=strategy, **resources).remote()
+
+    def _comm_init(self, rank: int, address: str, port: int, nccl_id: bytes) -> CommInit:
+        backend = self.parallel.comm_backend
+        if backend == "auto":
+            backend = "nccl" if self.is_gpu else "gloo"
+        if self.parallel.num_workers == 1:
+            backend = "local"
+        return CommInit(backend, rank, self.parallel.num_workers, address, port, nccl_id)
+
+    def _start_workers(self) -> list[WorkerInfo]:
+        address, port = ray.get(self.workers[0].address_and_free_port.remote())
+        uses_nccl = self._comm_init(0, address, port, b"").backend == "nccl"
+        nccl_id = ray.get(self.workers[0].make_nccl_unique_id.remote()) if uses_nccl else b""
+        cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+        threads = 0 if self.is_gpu else max(1, min(os.cpu_count() or 1, cpus) // self.parallel.num_workers)
+        configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
+                                self._comm_init(rank, address, port, nccl_id), self.config.device, threads)
+                   for rank in range(self.parallel.num_workers)]
+        # Every rank must enter the group together: start them all, then wait.
+        return unwrap_ray_errors(lambda: ray.get([w.start.remote(c) for w, c in zip(self.workers, configs,
+                                                                                     strict=True)]))
+
+    def _compile_step_graph(self):
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step:
+            graph = MultiOutputNode([w.execute.bind(step) for w in self.workers])
+        return graph.experimental_compile()
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.parallel.num_workers, min(i.num_blocks for i in self.infos), self.infos,
+                           self.parallel.dispatch)
+
+    def execute(self, step_bytes: bytes) -> bytes:
+        """Encoded StepInput -> rank 0's encoded StepOutput."""
+        if self.is_broken:
+            raise WorkerDiedError("a worker of this replica died earlier; the replica must be rebuilt")
+        start = time.perf_counter()
+        try:
+            if self.graph is not None:
+                replies = ray.get(self.graph.execute(step_bytes))
+            else:
+                replies = ray.get([w.execute.remote(step_bytes) for w in self.workers])
+        except (RayActorError, RayTaskError) as e:
+            if isinstance(e, RayTaskError) and not isinstance(e.cause, RayActorError):
+                raise e.cause from None
+            self.is_broken = True
+            raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
+        wall = time.perf_counter() - start
+        outputs = [StepOutput.from_bytes(r) for r in replies]
+        self.timings.append(DispatchTiming(wall, max(o.compute_s for o in outputs)))
+        return replies[0]
+
+    def take_timings(self) -> list[DispatchTiming]:
+        timings, self.timings = self.timings, []
+        return timings
+
+    def num_collectives(self) -> list[int]:
+        return ray.get([w.num_collectives.remote() for w in self.workers])
+
+    def worker_pids(self) -> list[int]:
+        return [info.pid for info in self.infos]
+
+    def shutdown(self) -> None:
+        """Release the compiled graph, the workers and their placement group."""
+        if self.graph is not None:
+            # A graph whose actor died may fail to tear down; the kills below still release everything.
+            with contextlib.suppress(Exception):
+                self.graph.teardown()
+            self.graph = None
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
+        remove_placement_group(self.placement_group)
+
+
+def unwrap_ray_errors(call):
+    """Run call; re-raise the user-facing error a remote task raised (CheckpointError, ValueError, ...)
+    instead of Ray's wrapper around it."""
+    try:
+        return call()
+    except RayTaskError as e:
+        if e.cause is not None and not isinstance(e.cause, RayActorError):
+            raise e.cause from None
+        raise

@@ -1,0 +1,75 @@
+"""Where steps run: in this process (one worker) or on a Ray replica (a coordinator and N workers).
+The engine sees the same three things from both: the model config, the KV block count, execute()."""
+
+from __future__ import annotations
+
+import contextlib
+
+import ray
+from ray.exceptions import RayActorError
+
+from warpspec.config import EngineConfig
+from warpspec.coordinator import DispatchTiming, unwrap_ray_errors
+from warpspec.errors import WorkerDiedError
+from warpspec.workers.llama4 import check_parallel_layout
+from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.runner import ModelRunner, StepOutput
+from warpspec.workers.step import StepInput
+
+
+class LocalExecutor:
+    def __init__(self, config: EngineConfig):
+        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device)
+        self.model_config = self.runner.config
+        self.num_blocks = self.runner.num_blocks
+
+    def execute(self, step: StepInput) -> StepOutput:
+        return self.runner.execute(step)
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig):
+        from warpspec.actors import CoordinatorActor
+        from warpspec.ray_env import connect_ray
+
+        # Reject an impossible split from config.json alone, before Ray or any weight is touched.
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        check_parallel_layout(self.model_config, config.parallel.num_workers)
+        connect_ray(config.run_dir)
+        self.coordinator = CoordinatorActor.remote()
+        try:
+            self.info = unwrap_ray_errors(lambda: ray.get(self.coordinator.start.remote(config)))
+        except BaseException:
+            ray.kill(self.coordinator)
+            raise
+        self.num_blocks = self.info.num_blocks
+
+    def execute(self, step: StepInput) -> StepOutput:
+        try:
+            reply = unwrap_ray_errors(lambda: ray.get(self.coordinator.execute.remote(step.to_bytes())))
+        except RayActorError as e:
+            raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
+        return StepOutput.from_bytes(reply)
+
+    def take_timings(self) -> list[DispatchTiming]:
+        return ray.get(self.coordinator.take_timings.remote())
+
+    def num_collectives(self) -> list[int]:
+        return ray.get(self.coordinator.num_collectives.remote())
+
+    def worker_pids(self) -> list[int]:
+        return ray.get(self.coordinator.worker_pids.remote())
+
+    def shutdown(self) -> None:
+        # A dead coordinator cannot answer; its workers die with it (actors are fate-shared with their
+        # creator) and its placement group is removed by Ray, so there is nothing left to release.
+        with contextlib.suppress(Exception):
+            ray.get(self.coordinator.shutdown.remote(), timeout=30)
+        ray.kill(self.coordinator)
+
+
+def make_executor(config: EngineConfig) -> LocalExecutor | RayExecutor:
+    return RayExecutor(config) if config.parallel.uses_ray else LocalExecutor(config)

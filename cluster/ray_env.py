@@ -1,0 +1,24 @@
+"""Connecting to Ray: an existing cluster when RAY_ADDRESS is set, otherwise a local one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+
+
+def connect_ray(run_dir: str | Path = "runs") -> None:
+    """Idempotent. A local cluster keeps its session files under run_dir/ray, runs no dashboard and
+    reports no usage statistics."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    temp_dir = Path(run_dir, "ray").resolve()
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    # Oversubscribe small machines: a 2-core box still hosts a coordinator and a few workers.
+    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, _temp_dir=str(temp_dir),
+             log_to_driver=False)

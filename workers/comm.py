@@ -1,0 +1,148 @@
+"""Collectives among the ranks of one model replica, behind one small interface.
+
+Backends: `local` (one rank, nothing to exchange), `gloo` (torch.distributed over TCP, for CPUs) and
+`nccl` (NCCL through CuPy, for GPUs; the unique id is made on rank 0 and handed to every rank by the
+coordinator). The model reduces only through `allreduce_residual_rmsnorm`, so a backend can fuse
+the reduction with the residual add and the norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warpspec.kernels import add_rms_norm, rms_norm
+
+BACKENDS = ("local", "gloo", "nccl")
+
+
+@dataclass
+class CommInit:
+    """How rank `rank` of `world_size` joins its group (typed, it crosses the actor boundary)."""
+
+    backend: str
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"  # gloo: rank 0's address and a free port there
+    master_port: int = 0
+    nccl_unique_id: bytes = b""  # nccl: made by rank 0 with make_nccl_unique_id()
+
+
+class Communicator:
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank = rank
+        self.world_size = world_size
+        self.num_collectives = 0  # counted so tests can hold the decode path to its budget
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 returns logits; the others return nothing large."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks; returns the reduced tensor (possibly x itself, reduced in place)."""
+        if self.world_size == 1:
+            return x
+        self.num_collectives += 1
+        return self._all_reduce(x.contiguous())
+
+    def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Concatenate every rank's x along dim on rank 0; None on the other ranks."""
+        if self.world_size == 1:
+            return x
+        self.num_collectives += 1
+        parts = self._gather(x.contiguous())
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def allreduce_residual_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor | None,
+                                   weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, new_residual) with new_residual = residual + sum over ranks of partial.
+
+        residual None: partial (summed) is the whole stream, as for the vocab-parallel embedding."""
+        reduced = self.all_reduce(partial)
+        if residual is None:
+            return rms_norm(reduced, weight, eps), reduced
+        return add_rms_norm(reduced, residual, weight, eps)
+
+    def close(self) -> None:
+        pass
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        raise NotImplementedError
+
+
+class GlooCommunicator(Communicator):
+    def __init__(self, init: CommInit):
+        import torch.distributed as dist
+
+        super().__init__(init.rank, init.world_size)
+        self.dist = dist
+        dist.init_process_group("gloo", init_method=f"tcp://{init.master_addr}:{init.master_port}",
+                                rank=init.rank, world_size=init.world_size)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.dist.all_reduce(x)
+        return x
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        self.dist.gather(x, parts, dst=0)
+        return parts
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def make_nccl_unique_id() -> bytes:
+    from cupy.cuda import nccl
+
+    # CuPy hands the id out as a tuple of signed chars.
+    return bytes(b & 0xFF for b in nccl.get_unique_id())
+
+
+class NcclCommunicator(Communicator):
+    """NCCL through CuPy on the current CUDA stream of torch. Needs a GPU and the NCCL library."""
+
+    def __init__(self, init: CommInit):
+        from cupy.cuda import nccl
+
+        super().__init__(init.rank, init.world_size)
+        self.nccl = nccl
+        unique_id = tuple(int(b) if b < 128 else int(b) - 256 for b in init.nccl_unique_id)
+        self.comm = nccl.NcclCommunicator(init.world_size, unique_id, init.rank)
+        self.dtypes = {torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16,
+                       torch.bfloat16: nccl.NCCL_BFLOAT16}
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), self.dtypes[x.dtype], self.nccl.NCCL_SUM,
+                            self._stream())
+        return x
+
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        # NCCL has no gather; all-gather and let rank 0 keep the result.
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        self.comm.allGather(x.data_ptr(), out.data_ptr(), x.numel(), self.dtypes[x.dtype], self._stream())
+        return list(out.unbind(0)) if self.rank == 0 else None
+
+    def close(self) -> None:
+        self.comm.destroy()
+
+
+def make_communicator(init: CommInit) -> Communicator:
+    if init.backend not in BACKENDS:
+        raise ValueError(f"unknown collective backend {init.backend!r}; use one of {', '.join(BACKENDS)}")
+    if init.world_size == 1 or init.backend == "local":
+        if init.world_size != 1:
+            raise ValueError(f"the local backend serves one rank, not {init.world_size}")
+        return Communicator()
+    if init.backend == "gloo":
+        return GlooCommunicator(init)
+    return NcclCommunicator(init)

@@ -1,0 +1,71 @@
+"""One rank of a model replica: joins the collective group, loads its shard, runs steps.
+
+A plain class; the Ray actor that hosts it (cluster/coordinator.py) only forwards calls, so tests
+can build it in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+
+from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.runner import ModelRunner
+from warpspec.workers.step import StepInput
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    dtype: str
+    cache: CacheConfig
+    comm: CommInit
+    device: str = "cpu"
+    num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class WorkerInfo:
+    rank: int
+    pid: int
+    num_blocks: int
+    bytes_read: int
+    param_bytes: int
+
+
+class ShardWorker:
+    def __init__(self, config: WorkerConfig):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.comm = make_communicator(config.comm)
+        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm)
+
+    def info(self) -> WorkerInfo:
+        report = self.runner.model.load_report
+        return WorkerInfo(self.comm.rank, os.getpid(), self.runner.num_blocks, report.bytes_read,
+                          report.param_bytes)
+
+    def execute(self, step_bytes: bytes) -> bytes:
+        """Encoded StepInput -> encoded StepOutput (logits only on rank 0)."""
+        step = StepInput.from_bytes(step_bytes)
+        return self.runner.execute(step, self.config.aux_layer_ids).to_bytes()
+
+    def num_collectives(self) -> int:
+        return self.comm.num_collectives
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def address_and_free_port() -> tuple[str, int]:
+    """This host's address and a TCP port free on it now, for rank 0 to host the gloo rendezvous."""
+    address = socket.gethostbyname(socket.gethostname())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return address, s.getsockname()[1]
