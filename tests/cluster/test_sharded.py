@@ -1,0 +1,134 @@
+"""A model sharded over Ray worker actors computes what the single-process model computes.
+
+Checkpoints have an expert count the workers do not divide (5 over 2, 6 over 4) and, at N=4, more
+workers than KV heads (KV heads replicated)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_checkpoints import make_text_checkpoint
+from warpspec import LLM, SamplingParams
+from warpspec.errors import PlacementError
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=5, logprobs=2)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 160, (n,), generator=gen).tolist() for n in (30, 7, 19)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("sharded"), num_local_experts=5, interleave_moe_layer_step=2,
+                                num_attention_heads=4, num_key_value_heads=2, attention_chunk_size=8,
+                                floor_scale=4, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoint):
+    with LLM(str(checkpoint), dtype="float32") as llm:
+        return llm.generate(_prompts(), PARAMS)
+
+
+def assert_same_outputs(got, expected) -> None:
+    for out, ref in zip(got, expected, strict=True):
+        assert out.token_ids == ref.token_ids
+        for position in range(1, len(ref.prompt_logprobs)):
+            for token, logprob in ref.prompt_logprobs[position].items():
+                assert abs(out.prompt_logprobs[position][token].logprob - logprob.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("num_workers,dispatch", [(1, "compiled"), (2, "compiled"), (2, "actor")])
+def test_sharded_matches_single_process(ray_cluster, checkpoint, single_process, num_workers, dispatch):
+    with LLM(str(checkpoint), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch) as llm:
+        assert_same_outputs(llm.generate(_prompts(), PARAMS), single_process)
+
+
+@pytest.mark.slow
+def test_four_workers_with_uneven_experts_and_replicated_kv_heads(ray_cluster, tmp_path):
+    path = make_text_checkpoint(tmp_path / "four", num_local_experts=6, interleave_moe_layer_step=1,
+                                num_attention_heads=4, num_key_value_heads=2, attention_chunk_size=8, floor_scale=4)
+    with LLM(str(path), dtype="float32") as llm:
+        expected = llm.generate(_prompts(), PARAMS)
+    with LLM(str(path), dtype="float32", num_workers=4) as llm:
+        infos = llm.engine.executor.info.workers
+        assert_same_outputs(llm.generate(_prompts(), PARAMS), expected)
+    # 6 experts over 4 ranks: 2, 2, 1, 1 -> ranks 0-1 hold more bytes than ranks 2-3.
+    assert infos[0].param_bytes == infos[1].param_bytes > infos[2].param_bytes == infos[3].param_bytes
+
+
+def test_each_worker_reads_and_holds_only_its_shard(ray_cluster, tmp_path):
+    path = make_text_checkpoint(tmp_path / "even", num_local_experts=4, interleave_moe_layer_step=1,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    with LLM(str(path), dtype="float32") as llm:
+        model = llm.engine.executor.runner.model
+        whole = model.load_report.param_bytes
+        # Held whole by every rank: the norms and the MoE routers.
+        replicated = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                         if name.endswith(("norm.weight", "router.weight")))
+    with LLM(str(path), dtype="float32", num_workers=2) as llm:
+        infos = llm.engine.executor.info.workers
+    expected = (whole - replicated) / 2 + replicated
+    for info in infos:
+        assert info.bytes_read == info.param_bytes  # read from the file exactly what it keeps
+        assert abs(info.param_bytes - expected) <= 0.1 * expected, (info, expected)
+
+
+def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
+    """Per decode step: per layer, the fused reduction after attention and after the feed-forward
+    (the embedding's reduction rides in layer 0's); then the final norm's and the logits gather."""
+    num_layers = 4
+    with LLM(str(checkpoint), dtype="float32", num_workers=2) as llm:
+        engine = llm.engine
+        seq = engine.make_sequence("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        engine.add_sequence(seq)
+        engine.step()  # prefill
+        before = engine.executor.num_collectives()
+        engine.step()  # one decode step
+        after = engine.executor.num_collectives()
+        while engine.has_unfinished():
+            engine.step()
+    per_step = [a - b for a, b in zip(after, before, strict=True)]
+    assert per_step == [2 * num_layers + 2] * 2
+
+
+def test_impossible_splits_fail_before_loading(checkpoint):
+    with pytest.raises(ValueError, match="num_workers=3 must divide num_attention_heads=4"):
+        LLM(str(checkpoint), num_workers=3)
+    with pytest.raises(ValueError, match="executor='local' runs one worker; num_workers=2 needs executor='ray'"):
+        LLM(str(checkpoint), num_workers=2, executor="local")
+    with pytest.raises(ValueError, match="num_workers must be a positive integer, got 0"):
+        LLM(str(checkpoint), num_workers=0)
+
+
+def test_more_workers_than_the_cluster_can_hold(ray_cluster, tmp_path):
+    path = make_text_checkpoint(tmp_path / "wide", num_attention_heads=16, num_key_value_heads=16, head_dim=4,
+                                num_local_experts=16, intermediate_size=16, intermediate_size_mlp=16)
+    message = r"num_workers=16 needs 16 CPU \(one per worker\) but the Ray cluster has 8"
+    with pytest.raises(PlacementError, match=message):
+        LLM(str(path), num_workers=16)
+
+
+def test_placement_that_cannot_be_satisfied_times_out(ray_cluster, checkpoint):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hog = placement_group([{"CPU": 7}])
+    ray_cluster.get(hog.ready())
+    try:
+        with pytest.raises(PlacementError, match=r"could not place 2 workers .* within 2 s"):
+            LLM(str(checkpoint), num_workers=2, placement_timeout_s=2)
+    finally:
+        remove_placement_group(hog)
+    _wait_for_all_cpus(ray_cluster)
+
+
+def _wait_for_all_cpus(ray, timeout_s: float = 10) -> None:
+    import time
+
+    deadline = time.time() + timeout_s
+    while ray.available_resources().get("CPU", 0) < 8 and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 8, ray.available_resources()
