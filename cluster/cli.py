@@ -41,6 +41,17 @@ def _create_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} Llama 4 checkpoint with tokenizer to {path}")
 
 
+BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch"}
+
+
+def _bench(args: argparse.Namespace) -> None:
+    import importlib
+
+    status = importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+    if status:
+        raise SystemExit(status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="warpspec", description="Serve Llama 4 MoE models with speculative decoding.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -67,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     create.add_argument("--seed", type=int, default=0)
     create.set_defaults(func=_create_checkpoint)
+
+    bench = commands.add_parser("bench", help="run a benchmark (dispatch); `warpspec bench NAME --help`")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench.set_defaults(func=_bench)
     return parser
 
 
