@@ -9,11 +9,18 @@ from warpspec.workers.kv_cache import CacheConfig
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256  # sequences decoding together in one step
+    max_num_seqs: int = 256  # sequences running together
+    # Tokens per step over all sequences: decodes first, the rest goes to prefill chunks.
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    # Requests queued but not yet running, beyond which new submissions are refused (AsyncLLM).
+    max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 EXECUTORS = ("auto", "local", "ray")

@@ -1,15 +1,16 @@
-"""The engine loop: admit requests, run a step, sample, append, finish.
+"""The engine loop, as one step: schedule, run the model, sample, append, finish.
 
-This is a simple batch scheduler: waiting requests are prefilled together as soon as the KV blocks
-for their whole length (prompt + max_tokens) can be reserved, then all running sequences decode
-together. Continuous batching with chunked prefill and preemption replaces the admission policy
-in the engine issue; the runner interface (StepInput) already carries everything that needs.
+    sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
+    out = executor.execute(step)      # the model, in-process or across the Ray workers
+    tokens = sample(...)              # for the sequences that reached their last token
+    append, detokenize, check stops   # finished requests leave and free their blocks at once
+
+Both front ends drive it: LLM (blocking, a batch at a time) and AsyncLLM (streaming, many users).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
@@ -20,6 +21,7 @@ from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.scheduler import ScheduledSequence, Scheduler
 from warpspec.sequence import Sequence
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
 from warpspec.workers.step import SequenceStep, StepInput
@@ -35,11 +37,12 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.block_size = config.cache.block_size
-        self.block_manager = BlockManager(self.executor.num_blocks, self.block_size)
+        self.block_manager = BlockManager(self.executor.num_blocks, self.block_size,
+                                          config.scheduler.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.seed_source = torch.Generator().manual_seed(config.seed)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -75,7 +78,8 @@ class LLMEngine:
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} "
                                       "leaves no room for output")
-        needed = self.block_manager.blocks_needed(self._reserved_tokens(len(prompt_ids), params))
+        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        needed = self.block_manager.blocks_needed(longest)
         if needed > self.block_manager.num_blocks:
             raise InvalidRequestError(f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
                                       f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache")
@@ -83,101 +87,118 @@ class LLMEngine:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        return Sequence(request_id, prompt_text, prompt_ids, params, torch.Generator().manual_seed(seed), detokenizer,
-                        logprobs=[] if params.logprobs is not None else None)
+        seq = Sequence(request_id, prompt_text, prompt_ids, params, torch.Generator().manual_seed(seed), detokenizer,
+                       logprobs=[] if params.logprobs is not None else None)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
+        return seq
 
     def add_sequence(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if seq.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {seq.request_id!r} is already in flight")
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request now; its KV blocks are free before the next step. None if unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.finish("abort")
+        return seq.to_output()
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
-    def _reserved_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        return min(prompt_len + params.max_tokens, self.max_model_len)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
 
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one model step; returns the requests that finished in it."""
-        admitted = self._admit()
-        seqs = admitted if admitted else list(self.running)
-        if not seqs:
+        """Run one model step; returns an output for every request that gained tokens or finished,
+        carrying the new tokens and text as a delta."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
             return []
-        plan = [self._plan(seq, is_prefill=bool(admitted)) for seq in seqs]
-        step = StepInput.build(plan, self.block_size)
+        now = time.perf_counter()
+        plan = []
+        for item in sched.scheduled:
+            item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
+            plan.append(SequenceStep(item.token_ids, item.num_cached,
+                                     self.block_manager.block_tables[item.seq.request_id], self._logits_from(item)))
         try:
-            logits = self.executor.execute(step).logits
+            logits = self.executor.execute(StepInput.build(plan, self.block_size)).logits
         except EngineError:
             self._fail_all()
             raise
-        # Each sequence's logits rows are consecutive; its last row predicts the next token.
-        rows_per_seq = [len(p.token_ids) - p.logits_from for p in plan]
-        last_rows = torch.tensor(rows_per_seq).cumsum(0) - 1
-        if admitted:
-            self._record_prompt_logprobs(seqs, logits, rows_per_seq)
-        token_ids = sample(logits[last_rows], [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-        for seq, p in zip(seqs, plan, strict=True):
-            seq.num_cached += len(p.token_ids)
+        self.scheduler.update_after_step(sched)
+
+        sampling: list[ScheduledSequence] = []
+        sample_rows: list[int] = []
+        row = 0
+        for item, p in zip(sched.scheduled, plan, strict=True):
+            num_rows = len(p.token_ids) - p.logits_from
+            if item.wants_prompt_logprobs:
+                self._record_prompt_logprobs(item, logits[row : row + num_rows], item.num_cached + p.logits_from)
+            if item.samples:
+                sampling.append(item)
+                sample_rows.append(row + num_rows - 1)
+            row += num_rows
+        if not sampling:
+            return []
+        seqs = [item.seq for item in sampling]
+        last_logits = logits[sample_rows]
+        token_ids = sample(last_logits, [s.params for s in seqs], [s.generator for s in seqs],
+                           [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]).tolist()
         if any(s.params.logprobs is not None for s in seqs):
-            self._record_logprobs(seqs, logits[last_rows], token_ids)
-        finished = []
+            self._record_logprobs(seqs, last_logits, token_ids)
         now = time.perf_counter()
+        outputs = []
         for seq, token in zip(seqs, token_ids, strict=True):
             seq.first_token_time = seq.first_token_time or now
             self._append_token(seq, token)
             if seq.finish_reason is not None:
-                finished.append(seq)
-        for seq in finished:
-            self.running.remove(seq)
-            self.block_manager.free(seq.request_id)
-        return [seq.to_output() for seq in finished]
+                self.scheduler.remove(seq)
+                del self.requests[seq.request_id]
+            outputs.append(seq.to_output(*seq.take_delta()))
+        return outputs
+
+    def _logits_from(self, item: ScheduledSequence) -> int:
+        """First of the step's tokens whose logits are needed: all of them while prompt logprobs are
+        being collected, else only the last one when it is sampled, else none."""
+        if item.wants_prompt_logprobs:
+            return 0
+        return len(item.token_ids) - 1 if item.samples else len(item.token_ids)
 
     def _fail_all(self) -> None:
         """The replica cannot run steps: drop every request and its blocks, so nothing waits forever."""
-        for seq in [*self.running, *self.waiting]:
-            self.block_manager.free(seq.request_id)
-        self.running.clear()
-        self.waiting.clear()
+        for seq in list(self.requests.values()):
+            self.scheduler.remove(seq)
+        self.requests.clear()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-    def _admit(self) -> list[Sequence]:
-        admitted = []
-        max_seqs = self.config.scheduler.max_num_seqs
-        while self.waiting and len(self.running) < max_seqs:
-            seq = self.waiting[0]
-            reserved = self._reserved_tokens(len(seq.prompt_token_ids), seq.params)
-            if not self.block_manager.can_allocate(reserved):
-                break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq.request_id, reserved)
-            self.running.append(seq)
-            admitted.append(seq)
-        return admitted
-
-    def _plan(self, seq: Sequence, is_prefill: bool) -> SequenceStep:
-        table = self.block_manager.block_tables[seq.request_id]
-        if is_prefill:
-            wants_prompt_logprobs = seq.params.prompt_logprobs is not None
-            ids = seq.prompt_token_ids
-            return SequenceStep(ids, 0, table, logits_from=0 if wants_prompt_logprobs else len(ids) - 1)
-        return SequenceStep([seq.last_token_id], seq.num_cached, table, logits_from=0)
 
     # ---- bookkeeping after sampling -------------------------------------------------------------
 
     def _decode_token(self, token_id: int) -> str | None:
         return self.tokenizer.token_text(token_id) if self.tokenizer else None
 
-    def _record_prompt_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, rows_per_seq: list[int]) -> None:
-        start = 0
-        for seq, rows in zip(seqs, rows_per_seq, strict=True):
-            if seq.params.prompt_logprobs is not None:
-                # Row i predicts prompt token i + 1; the last row predicts the first output token.
-                logprobs = torch.log_softmax(logits[start : start + rows - 1], dim=-1)
-                seq.prompt_logprobs = [None] + top_logprobs(
-                    logprobs, seq.prompt_token_ids[1:], seq.params.prompt_logprobs, self._decode_token)
-            start += rows
+    def _record_prompt_logprobs(self, item: ScheduledSequence, logits: torch.Tensor, first_position: int) -> None:
+        """Row j holds the logits at position first_position + j, which predict the next token. Only
+        prompt positions not yet recorded are kept (a preempted request recomputes its prompt)."""
+        seq = item.seq
+        prompt = seq.prompt_token_ids
+        start = len(seq.prompt_logprobs) - 1 - first_position  # first row predicting an unrecorded position
+        end = min(len(prompt) - 1 - first_position, logits.shape[0])
+        if start >= end:
+            return
+        targets = prompt[first_position + start + 1 : first_position + end + 1]
+        seq.prompt_logprobs.extend(top_logprobs(torch.log_softmax(logits[start:end], dim=-1), targets,
+                                                seq.params.prompt_logprobs, self._decode_token))
 
     def _record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -188,9 +209,9 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        seq.output_token_ids.append(token)
+        seq.append_token(token)
+        previous_len = len(seq.text)
         if seq.detokenizer is not None:
-            previous_len = len(seq.text)
             seq.text += seq.detokenizer.add([token])
             if self._check_stop_strings(seq, previous_len):
                 return

@@ -24,13 +24,15 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, *,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 1.0,
-                 max_num_seqs: int = 256, seed: int = 0, device: str = "cpu", num_workers: int = 1,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 seed: int = 0, device: str = "cpu", num_workers: int = 1,
                  executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
                  run_dir: str = "runs"):
         self.config = EngineConfig(
             model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_prefix_caching=enable_prefix_caching),
             parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
                                     placement_timeout_s=placement_timeout_s),
             run_dir=run_dir,
@@ -73,8 +75,9 @@ class LLM:
         with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as progress:
             while engine.has_unfinished():
                 for out in engine.step():
-                    finished[out.request_id] = out
-                    progress.update()
+                    if out.finished:
+                        finished[out.request_id] = out
+                        progress.update()
         return [finished[seq.request_id] for seq in seqs]
 
     def shutdown(self) -> None:

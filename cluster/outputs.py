@@ -23,12 +23,17 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (eos, stop token or string), "length", or None while running
+    # "stop" (eos, stop token or string), "length", "abort", or None while running
+    finish_reason: str | None
     logprobs: list[PositionLogprobs] | None = None
     # Position 0 has nothing before it to predict it, so prompt_logprobs[0] is None.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # On the final output: prompt/completion/cached token counts, queue time, TTFT, TPOT.
     metrics: dict[str, float] = field(default_factory=dict)
+    # Streaming: what this output adds to the previous one of the same request.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
 
     @property
     def finished(self) -> bool:

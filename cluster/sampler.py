@@ -33,9 +33,31 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> torch.Tensor:
-    """logits [batch, vocab] float32 -> token ids [batch]."""
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[list[int]],
+                    output_ids: list[list[int]]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (a seen token's logit is divided by the
+    penalty when positive, multiplied when negative); presence and frequency penalties over output
+    tokens (logit -= presence * [count > 0] + frequency * count), as in vLLM and the OpenAI API."""
+    device, vocab = logits.device, logits.shape[-1]
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+    for row, (prompt, output) in enumerate(zip(prompt_ids, output_ids, strict=True)):
+        if output:
+            counts[row].scatter_add_(0, torch.tensor(output, device=device), torch.ones(len(output), device=device))
+        seen[row, torch.tensor(prompt + output, device=device, dtype=torch.long).clamp(max=vocab - 1)] = True
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None) -> torch.Tensor:
+    """logits [batch, vocab] float32 -> token ids [batch]. Penalties need each row's prompt and output ids."""
+    if any(p.has_penalties for p in params):
+        logits = apply_penalties(logits, params, prompt_ids, output_ids)
     greedy = logits.argmax(dim=-1)
     if all(p.is_greedy for p in params):
         return greedy
@@ -44,6 +66,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     top_k = torch.tensor([p.effective_top_k for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     probs = apply_top_k_top_p(logits / temperature[:, None], top_k, top_p).softmax(dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)
+    if (min_p > 0).any():
+        # Drop tokens less likely than min_p times the most likely one, then renormalise.
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
     noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators])
     sampled = (probs / noise.to(device)).argmax(dim=-1)

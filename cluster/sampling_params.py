@@ -18,6 +18,10 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables top-k
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely one
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    presence_penalty: float = 0.0  # in [-2, 2], subtracted once from tokens already generated
+    frequency_penalty: float = 0.0  # in [-2, 2], subtracted per occurrence in the output
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -41,6 +45,17 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         _require_int("top_k", self.top_k, minimum=-1)
+        _require_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        _require_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require_float(name, value)
+            if not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             _require_int("seed", self.seed, minimum=0)
         for s in self.stop:
@@ -58,6 +73,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def effective_top_k(self) -> int:

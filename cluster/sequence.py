@@ -22,35 +22,58 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None
     output_token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the KV cache
+    num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache supplied at admission
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Prompt then outputs; what the model has seen or will see.
+    all_token_ids: list[int] = field(init=False)
+    num_streamed_tokens: int = 0  # output tokens already handed out as deltas
+    num_streamed_chars: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.finish_time = time.perf_counter()
 
-    def to_output(self) -> RequestOutput:
-        metrics: dict[str, float] = {}
+    def metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = {"prompt_tokens": len(self.prompt_token_ids),
+                                     "completion_tokens": len(self.output_token_ids),
+                                     "cached_prompt_tokens": self.num_cached_prompt_tokens or 0}
+        if self.first_scheduled_time is not None:
+            metrics["queue_time_s"] = self.first_scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             metrics["time_to_first_token_s"] = self.first_token_time - self.arrival_time
         if self.finish_time is not None and self.first_token_time is not None and len(self.output_token_ids) > 1:
             metrics["time_per_output_token_s"] = (self.finish_time - self.first_token_time) / (
                 len(self.output_token_ids) - 1
             )
+        return metrics
+
+    def take_delta(self) -> tuple[list[int], str]:
+        """Output tokens and text not yet handed out (for streaming)."""
+        tokens = self.output_token_ids[self.num_streamed_tokens :]
+        text = self.text[self.num_streamed_chars :]
+        self.num_streamed_tokens, self.num_streamed_chars = len(self.output_token_ids), len(self.text)
+        return tokens, text
+
+    def to_output(self, new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -61,5 +84,7 @@ class Sequence:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             stop_reason=self.stop_reason,
-            metrics=metrics,
+            metrics=self.metrics() if self.finish_reason is not None else {},
+            new_token_ids=list(new_token_ids or []),
+            new_text=new_text,
         )

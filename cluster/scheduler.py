@@ -1,0 +1,133 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Pure CPU bookkeeping over Sequences and the BlockManager, returning a plain SchedulerOutput that the
+engine turns into a model step. Every step fills a token budget: running sequences first (a decode
+is 1 token, plus its draft tokens when speculating; an unfinished prefill continues with its next
+chunk), then waiting ones, each prefilling as much as the budget leaves (chunked prefill). When KV
+blocks run out, the most recently arrived running sequence is preempted: its blocks are freed and it
+returns to the front of the queue, to recompute its prompt and outputs later (whatever the prefix
+cache still holds is not recomputed).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from warpspec.block_manager import BlockManager
+from warpspec.config import SchedulerConfig
+from warpspec.sequence import Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    token_ids: list[int]  # tokens to run this step (a prefill chunk, a decode token, ...)
+    num_cached: int  # tokens of the sequence already in the KV cache before this step
+    draft_token_ids: list[int] = field(default_factory=list)  # appended to token_ids by the speculator
+    samples: bool = False  # this step reaches the sequence's last known token: sample the next one
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.seq.params.prompt_logprobs is not None and self.num_cached < len(self.seq.prompt_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and release its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_cached, budget)
+            while not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
+                victim = self.running.pop()  # the most recently arrived
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(self._schedule(seq, num_new))
+                budget -= num_new
+                index += 1
+
+        # New sequences wait while the running ones are short of blocks.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            self._match_prefix(seq)
+            num_new = min(seq.num_tokens - seq.num_cached, budget)
+            if not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
+                # A waiting sequence holds no blocks, or two of them could each hold what the other needs.
+                self.block_manager.free(seq.request_id)
+                seq.num_cached = 0
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            if seq.num_cached_prompt_tokens is None:  # first admission, not a recompute after preemption
+                seq.num_cached_prompt_tokens = seq.num_cached
+                self.block_manager.stats.queried_tokens += len(seq.prompt_token_ids)
+                self.block_manager.stats.hit_tokens += seq.num_cached
+            scheduled.append(self._schedule(seq, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
+
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """The step ran: its tokens are in the KV cache now."""
+        for item in output.scheduled:
+            seq = item.seq
+            seq.num_cached = item.num_cached + len(item.token_ids)
+            self.block_manager.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_cached)
+
+    def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        self.block_manager.allocate(seq.request_id, seq.num_cached + num_new)
+        token_ids = seq.all_token_ids[seq.num_cached : seq.num_cached + num_new]
+        return ScheduledSequence(seq, token_ids, seq.num_cached,
+                                 samples=seq.num_cached + num_new == seq.num_tokens)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # Prompt logprobs need logits at every prompt position, so such requests compute them all.
+        if seq.params.prompt_logprobs is not None:
+            self.block_manager.match_prefix(seq.request_id, [])
+            return
+        seq.num_cached = self.block_manager.match_prefix(seq.request_id, seq.all_token_ids)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.request_id)
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
