@@ -76,3 +76,21 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
+                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 1.0, max_num_seqs: int = 256,
+                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                  max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
+                  executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
+                  run_dir: str = "runs") -> EngineConfig:
+    """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
+    return EngineConfig(
+        model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  max_waiting_requests=max_waiting_requests),
+        parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
+                                placement_timeout_s=placement_timeout_s),
+    )

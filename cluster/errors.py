@@ -11,3 +11,7 @@ class WorkerDiedError(EngineError):
 
 class PlacementError(EngineError):
     """The Ray cluster cannot host the requested workers (now, or within the placement timeout)."""
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full; the request was not accepted."""

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 from tqdm import tqdm
 
-from warpspec.config import EngineConfig, ParallelConfig, SchedulerConfig
+from warpspec.config import engine_config
 from warpspec.engine import LLMEngine, Prompt
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.workers.kv_cache import CacheConfig
 
 
 class LLM:
@@ -22,21 +22,10 @@ class LLM:
     ...     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
     """
 
-    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, *,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 1.0,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 seed: int = 0, device: str = "cpu", num_workers: int = 1,
-                 executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
-                 run_dir: str = "runs"):
-        self.config = EngineConfig(
-            model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed,
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_prefix_caching=enable_prefix_caching),
-            parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
-                                    placement_timeout_s=placement_timeout_s),
-            run_dir=run_dir,
-        )
+    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, **options: Any):
+        """options: the keyword arguments of warpspec.config.engine_config (KV cache, scheduler,
+        num_workers and the rest of the parallel layout)."""
+        self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
         self.engine: LLMEngine | None = LLMEngine(self.config)
         self._next_request = 0
 

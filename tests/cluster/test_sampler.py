@@ -52,3 +52,29 @@ def test_greedy_rows_ignore_randomness_beside_sampled_rows():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0)]
     generators = [torch.Generator().manual_seed(s) for s in (1, 2)]
     assert sample(logits, params, generators)[0].item() == 1
+
+
+def test_penalties_follow_the_openai_and_vllm_definitions():
+    from warpspec.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
+    # prompt holds token 1; the output holds token 0 twice and token 2 once.
+    got = apply_penalties(logits, params, prompt_ids=[[1]], output_ids=[[0, 0, 2]])
+    # token 0: 2.0 / 2 - 0.5 - 2 * 0.25 = 0.0; token 1 (prompt only): -1.0 * 2 = -2.0;
+    # token 2: 0.5 / 2 - 0.5 - 0.25 = -0.5; token 3 unseen: 1.0
+    torch.testing.assert_close(got, torch.tensor([[0.0, -2.0, -0.5, 1.0]]))
+
+
+def test_greedy_with_a_repetition_penalty_avoids_the_repeated_token():
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
+    assert sample(logits, params, [torch.Generator()], [[5]], [[0]]).item() == 1  # 3.0 / 2 < 2.0
+
+
+def test_min_p_sampling_follows_the_truncated_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = _draw(logits, SamplingParams(temperature=1.0, min_p=0.2), 4000, seed=2)
+    assert counts[3] == 0  # 0.05 < 0.2 * 0.5
+    probs = torch.tensor([0.5, 0.3, 0.15]) / 0.95
+    assert _chi_square(counts[:3], probs) < CHI2_CRITICAL_0_001[2]

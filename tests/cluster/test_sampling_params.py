@@ -28,3 +28,14 @@ def test_bad_values_name_the_field(kwargs, message):
 
 def test_a_single_stop_string_becomes_a_list():
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
+    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(presence_penalty=3), r"presence_penalty must be in \[-2, 2\], got 3"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty must be finite"),
+])
+def test_penalty_bounds(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)

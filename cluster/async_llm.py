@@ -1,0 +1,121 @@
+"""The streaming engine front end for many concurrent users (the serving layer builds on it).
+
+One background task owns the engine: between steps it applies the requests added and aborted
+since the last step, then runs the next step in a worker thread so the event loop stays free, and
+hands each request's outputs to that request's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from warpspec.config import EngineConfig, engine_config
+from warpspec.engine import LLMEngine, Prompt
+from warpspec.errors import EngineOverloadedError
+from warpspec.outputs import RequestOutput
+from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sequence import Sequence
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine = LLMEngine(config)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.pending_adds: list[Sequence] = []
+        self.pending_aborts: list[str] = []
+        self.wakeup: asyncio.Event | None = None
+        self.loop_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> AsyncLLM:
+        """Same keyword arguments as LLM."""
+        return cls(engine_config(model, **options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs: each carries the new token ids and text since the previous
+        one; the last has finish_reason set and the full text. Closing the iterator early (a client
+        that went away) aborts the request. Bad requests raise InvalidRequestError and a full queue
+        EngineOverloadedError, both before anything is queued."""
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self.streams:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
+        seq = self.engine.make_sequence(request_id, prompt, params)
+        limit = self.config.scheduler.max_waiting_requests
+        if self.engine.num_waiting + len(self.pending_adds) >= limit:
+            raise EngineOverloadedError(f"engine overloaded: {limit} requests already waiting "
+                                        "(max_waiting_requests); retry later")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        self.pending_adds.append(seq)
+        self._wake()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self.streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its KV blocks are released before the next step."""
+        self.pending_aborts.append(request_id)
+        self._wake()
+
+    async def shutdown(self) -> None:
+        if self.loop_task is not None:
+            self.loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.loop_task
+            self.loop_task = None
+        self.engine.shutdown()
+
+    def _wake(self) -> None:
+        if self.loop_task is None or self.loop_task.done():
+            self.wakeup = asyncio.Event()
+            self.loop_task = asyncio.get_running_loop().create_task(self._run())
+        self.wakeup.set()
+
+    def _apply_pending(self) -> None:
+        adds, self.pending_adds = self.pending_adds, []
+        aborts, self.pending_aborts = set(self.pending_aborts), []
+        for seq in adds:
+            if seq.request_id not in aborts:
+                self.engine.add_sequence(seq)
+        for request_id in aborts:
+            self.engine.abort(request_id)
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as error:  # noqa: BLE001 - every waiting request must learn of it
+                for queue in self.streams.values():
+                    queue.put_nowait(error)
+                continue
+            for out in outputs:
+                queue = self.streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)

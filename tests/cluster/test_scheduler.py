@@ -1,0 +1,129 @@
+"""The scheduler and block manager alone: no model, just bookkeeping and its invariants."""
+
+from __future__ import annotations
+
+import torch
+
+from warpspec.block_manager import BlockManager, prefix_block_hashes
+from warpspec.config import SchedulerConfig
+from warpspec.sampling_params import SamplingParams
+from warpspec.scheduler import Scheduler
+from warpspec.sequence import Sequence
+
+
+def _seq(request_id: str, prompt: list[int], prompt_logprobs: int | None = None) -> Sequence:
+    return Sequence(request_id, None, prompt, SamplingParams(prompt_logprobs=prompt_logprobs),
+                    torch.Generator(), None)
+
+
+def _run(scheduler: Scheduler):
+    """One step as the engine does it: schedule, mark computed, append a token to each sampled seq."""
+    out = scheduler.schedule()
+    scheduler.update_after_step(out)
+    for item in out.scheduled:
+        if item.samples:
+            item.seq.append_token(7)
+    return out
+
+
+def test_decodes_first_then_prefill_chunks_within_the_token_budget():
+    manager = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10), manager)
+    a = _seq("a", list(range(1, 7)))  # 6 tokens
+    scheduler.add(a)
+    assert [len(i.token_ids) for i in _run(scheduler).scheduled] == [6]
+    b = _seq("b", list(range(20, 45)))  # 25 tokens: more than a step's budget
+    scheduler.add(b)
+    out = _run(scheduler)
+    # a decodes 1 token; b gets the 9 left of the budget and does not sample yet.
+    assert [(i.seq.request_id, len(i.token_ids), i.samples) for i in out.scheduled] == [("a", 1, True),
+                                                                                        ("b", 9, False)]
+    out = _run(scheduler)
+    assert [(i.seq.request_id, len(i.token_ids), i.num_cached) for i in out.scheduled] == [("a", 1, 7), ("b", 9, 9)]
+    out = _run(scheduler)
+    assert [(i.seq.request_id, len(i.token_ids), i.samples) for i in out.scheduled] == [("a", 1, True),
+                                                                                        ("b", 7, True)]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2), BlockManager(64, 4))
+    for i in range(3):
+        scheduler.add(_seq(f"s{i}", [1, 2, 3]))
+    out = _run(scheduler)
+    assert [i.seq.request_id for i in out.scheduled] == ["s0", "s1"]
+    assert [s.request_id for s in scheduler.waiting] == ["s2"]
+
+
+def test_out_of_blocks_preempts_the_latest_arrival_and_recomputes_it_later():
+    manager = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(), manager)
+    first, second = _seq("first", list(range(1, 9))), _seq("second", list(range(11, 19)))
+    scheduler.add(first)
+    scheduler.add(second)
+    _run(scheduler)  # both prefill: 2 blocks each, the cache is full
+    assert manager.num_free_blocks == 0
+    out = _run(scheduler)  # first needs a third block for its 9th token: second gives way
+    assert [s.request_id for s in out.preempted] == ["second"]
+    assert [i.seq.request_id for i in out.scheduled] == ["first"]
+    assert second.num_cached == 0 and scheduler.waiting[0] is second
+    assert second.output_token_ids == [7]  # kept: recompute re-runs prompt + outputs, it does not resample
+    scheduler.remove(first)
+    out = _run(scheduler)
+    assert [(i.seq.request_id, i.token_ids) for i in out.scheduled] == [("second", list(range(11, 19)) + [7])]
+    scheduler.remove(second)
+    assert manager.num_free_blocks == 4
+
+
+def test_waiting_sequences_hold_no_blocks():
+    manager = BlockManager(num_blocks=3, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(), manager)
+    scheduler.add(_seq("big", list(range(1, 12))))
+    _run(scheduler)
+    scheduler.add(_seq("next", list(range(1, 9))))  # its first two blocks are cached, but it cannot run
+    _run(scheduler)
+    assert "next" not in manager.block_tables
+
+
+def test_prefix_cache_hits_share_blocks_and_count_references():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(), manager)
+    shared = list(range(1, 11))  # 10 tokens: two full blocks
+    a = _seq("a", shared + [50, 51])
+    scheduler.add(a)
+    _run(scheduler)
+    b = _seq("b", shared + [60])
+    scheduler.add(b)
+    out = _run(scheduler)
+    item = next(i for i in out.scheduled if i.seq is b)
+    assert item.num_cached == 8 and item.token_ids == [9, 10, 60]  # the two shared blocks were not recomputed
+    assert manager.block_tables["a"][:2] == manager.block_tables["b"][:2]
+    assert [manager.ref_counts[blk] for blk in manager.block_tables["b"][:2]] == [2, 2]
+    assert manager.stats.hit_tokens == 8 and manager.stats.queried_tokens == 12 + 11
+    scheduler.remove(a)
+    scheduler.remove(b)
+    assert manager.num_free_blocks == 16
+
+
+def test_prompt_logprobs_requests_skip_the_prefix_cache():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(), manager)
+    scheduler.add(_seq("a", list(range(1, 11))))
+    _run(scheduler)
+    b = _seq("b", list(range(1, 11)), prompt_logprobs=1)
+    scheduler.add(b)
+    out = _run(scheduler)
+    assert next(i for i in out.scheduled if i.seq is b).num_cached == 0
+
+
+def test_eviction_takes_the_least_recently_freed_cached_block():
+    manager = BlockManager(num_blocks=4, block_size=2)
+    for name, tokens in (("old", [1, 2, 3]), ("new", [5, 6, 7])):
+        manager.match_prefix(name, tokens)
+        manager.allocate(name, 3)
+        manager.cache_full_blocks(name, tokens, 2)
+        manager.free(name)
+    old_hash, new_hash = prefix_block_hashes([1, 2], 2)[0], prefix_block_hashes([5, 6], 2)[0]
+    assert old_hash in manager.cached and new_hash in manager.cached
+    manager.match_prefix("x", [9])
+    manager.allocate("x", 6)  # three blocks from the front of the free queue: old tail, old head, new tail
+    assert old_hash not in manager.cached and new_hash in manager.cached
