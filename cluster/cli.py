@@ -41,7 +41,7 @@ def _create_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} Llama 4 checkpoint with tokenizer to {path}")
 
 
-BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch"}
+BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch", "throughput": "warpspec.benchmarks.throughput"}
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--seed", type=int, default=0)
     create.set_defaults(func=_create_checkpoint)
 
-    bench = commands.add_parser("bench", help="run a benchmark (dispatch); `warpspec bench NAME --help`")
+    bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput); `warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)

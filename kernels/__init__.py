@@ -1,12 +1,13 @@
 """Compute kernels. Every op has a plain torch reference here; GPU versions arrive behind the same
 signatures (see the GPU-path issue)."""
 
-from warpspec.kernels.attention import paged_attention, write_kv_cache
+from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention, write_kv_cache
 from warpspec.kernels.moe import moe_experts, route_topk_sigmoid
 from warpspec.kernels.norm import add_rms_norm, l2_norm, rms_norm
 from warpspec.kernels.rope import apply_rope_interleaved
 
 __all__ = [
+    "PagedAttentionMetadata",
     "add_rms_norm",
     "apply_rope_interleaved",
     "l2_norm",

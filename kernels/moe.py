@@ -30,22 +30,22 @@ def moe_experts(
     [first_expert, first_expert + num_local) belong to another rank and contribute nothing here.
     """
     num_local = gate_up_proj.shape[0]
-    out = torch.zeros_like(x)
     flat_ids = expert_ids.reshape(-1) - first_expert
     token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
-    flat_scores = scores.reshape(-1)
-    # Sort assignments by local expert so each expert sees one contiguous slice of tokens.
+    # Sort the (token, expert) assignments by local expert, other ranks' experts last, so that each
+    # expert reads one contiguous slice: ids [2, 0, 2] -> order [1, 0, 2], counts [1, 0, 2].
     is_local = (flat_ids >= 0) & (flat_ids < num_local)
     order = torch.argsort(torch.where(is_local, flat_ids, num_local), stable=True)
     counts = torch.bincount(flat_ids[is_local], minlength=num_local).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        idx = order[start : start + count]
-        start += count
-        tokens = token_of[idx]
-        expert_in = x[tokens] * flat_scores[idx, None]
-        gate, up = (expert_in @ gate_up_proj[expert]).chunk(2, dim=-1)
-        out.index_add_(0, tokens, (F.silu(gate) * up) @ down_proj[expert])
+    order = order[: sum(counts)]
+    tokens = token_of[order]
+    expert_in = x[tokens] * scores.reshape(-1)[order, None]
+    outputs = []
+    for expert, chunk in enumerate(expert_in.split(counts)):
+        if chunk.shape[0]:
+            gate, up = (chunk @ gate_up_proj[expert]).chunk(2, dim=-1)
+            outputs.append((F.silu(gate) * up) @ down_proj[expert])
+    out = torch.zeros_like(x)
+    if outputs:
+        out.index_add_(0, tokens, torch.cat(outputs))
     return out

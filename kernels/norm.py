@@ -2,12 +2,12 @@
 normalise in float32, cast back to the input dtype, then scale by the weight in that dtype."""
 
 import torch
+import torch.nn.functional as F
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm (Llama 4's QK-norm). [..., dim] -> [..., dim]"""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    """Weightless RMSNorm (Llama 4's QK-norm), x * rsqrt(mean(x^2) + eps) in float32. [..., dim]"""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

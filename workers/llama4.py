@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from warpspec.kernels import (
+    PagedAttentionMetadata,
     apply_rope_interleaved,
     l2_norm,
     moe_experts,
@@ -81,7 +82,7 @@ class Llama4Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, step: StepInput,
-                freqs_cis: torch.Tensor) -> torch.Tensor:
+                freqs_cis: torch.Tensor, attn_meta: PagedAttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
@@ -98,9 +99,7 @@ class Llama4Attention(nn.Module):
             q = (q * scales[:, None, None]).to(q.dtype)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         write_kv_cache(k, v, key_cache, value_cache, step.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, step.query_start_loc, step.seq_lens,
-                              step.block_tables, self.scale, self.chunk_size,
-                              step.max_query_len, step.max_seq_len)
+        out = paged_attention(q, key_cache, value_cache, attn_meta, self.scale, self.chunk_size)
         return self.o_proj(out.reshape(num_tokens, q_size))
 
 
@@ -167,10 +166,10 @@ class Llama4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
 
     def forward(self, positions: torch.Tensor, normed: torch.Tensor, residual: torch.Tensor, step: StepInput,
-                freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                freqs_cis: torch.Tensor, attn_meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """normed: input_layernorm's output (the model applies it, fused with the previous layer's
         reduction); returns the feed-forward's partial output and the residual stream after attention."""
-        hidden = self.self_attn(positions, normed, step, freqs_cis)
+        hidden = self.self_attn(positions, normed, step, freqs_cis, attn_meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
 
@@ -201,6 +200,9 @@ class Llama4ForCausalLM(nn.Module):
         layer id in aux_layer_ids (in increasing order), the residual stream ENTERING that layer
         [num_tokens, hidden] (EAGLE-3's features; id == num_layers: the stream before the final norm)."""
         freqs_cis = rope_freqs_cis(positions, self.inv_freq)
+        block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
+        attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
+                                           step.max_query_len, step.max_seq_len)
         # The embedding is a partial sum over vocabulary shards; layer 0's input norm reduces it.
         hidden, residual = self.model.embed_tokens(input_ids), None
         aux: list[torch.Tensor] = []
@@ -210,7 +212,7 @@ class Llama4ForCausalLM(nn.Module):
             normed, residual = layer.input_layernorm(hidden, residual)
             if layer_id in aux_layer_ids:
                 aux.append(residual)
-            hidden, residual = layer(positions, normed, residual, step, freqs_cis)
+            hidden, residual = layer(positions, normed, residual, step, freqs_cis, attn_meta)
         hidden, residual = self.model.norm(hidden, residual)
         if len(self.model.layers) in aux_layer_ids:
             aux.append(residual)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from warpspec.kernels.attention import paged_attention, write_kv_cache
+from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention, write_kv_cache
 
 
 def dense_reference(q, k, v, num_cached: int, chunk_size: int | None) -> torch.Tensor:
@@ -52,9 +52,27 @@ def test_ragged_batch_matches_dense(chunk_size, heads, kv_heads):
         block_tables[row, : len(table)] = torch.tensor(table)
     query_lens = torch.tensor([q_len for _, q_len in shapes])
     seq_lens = torch.tensor([c + n for c, n in shapes])
-    out = paged_attention(torch.cat(queries), key_cache, value_cache,
-                          torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]), seq_lens,
-                          block_tables, 1 / math.sqrt(d), chunk_size,
-                          int(query_lens.max()), int(seq_lens.max()))
+    meta = PagedAttentionMetadata(torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]), seq_lens,
+                                  block_tables, block_size, int(query_lens.max()), int(seq_lens.max()))
+    out = paged_attention(torch.cat(queries), key_cache, value_cache, meta, 1 / math.sqrt(d), chunk_size)
     expected = torch.cat([dense_reference(q, k, v, c, chunk_size) for c, _, k, v, q in seqs])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_matches_dense():
+    """One query per sequence takes the decode path (no query padding)."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, heads, kv_heads, d = 4, 4, 2, 8
+    key_cache = torch.randn(16, block_size, kv_heads, d, generator=gen)
+    value_cache = torch.randn(16, block_size, kv_heads, d, generator=gen)
+    seq_lens, tables = [5, 9, 1], [[3, 7], [0, 1, 2], [9]]
+    block_tables = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(3, heads, d, generator=gen)
+    meta = PagedAttentionMetadata(torch.arange(4), torch.tensor(seq_lens), block_tables, block_size, 1, 9)
+    assert meta.is_decode
+    out = paged_attention(q, key_cache, value_cache, meta, 1 / math.sqrt(d), chunk_size=4)
+    for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        k = key_cache.view(-1, kv_heads, d)[slots]
+        v = value_cache.view(-1, kv_heads, d)[slots]
+        torch.testing.assert_close(out[i : i + 1], dense_reference(q[i : i + 1], k, v, n - 1, 4), atol=1e-5, rtol=1e-5)
