@@ -61,6 +61,26 @@ class ParallelConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    draft: str | None = None  # an EAGLE-3 checkpoint folder; None: no speculation
+    num_speculative_tokens: int = 3  # k draft tokens verified per target step
+    # 0 when the checkpoint's eagle_aux_hidden_state_layer_ids follow vLLM (id i = the stream entering
+    # layer i), 1 for checkpoints configured in SGLang's convention (one lower for the same layers).
+    aux_layer_offset: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.aux_layer_offset not in (0, 1):
+            raise ValueError(f"aux_layer_offset must be 0 (vLLM ids) or 1 (SGLang ids), got {self.aux_layer_offset!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft is not None
+
+
+@dataclass
 class EngineConfig:
     model: str
     dtype: str = "auto"  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
@@ -71,6 +91,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     run_dir: str = "runs"  # where a locally started Ray keeps its session files
 
     def __post_init__(self) -> None:
@@ -83,6 +104,7 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                   max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
                   executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
+                  draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
                   run_dir: str = "runs") -> EngineConfig:
     """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
     return EngineConfig(
@@ -93,4 +115,7 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                                   max_waiting_requests=max_waiting_requests),
         parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
                                 placement_timeout_s=placement_timeout_s),
+        speculative=SpeculativeConfig(draft=None if draft is None else str(draft),
+                                      num_speculative_tokens=num_speculative_tokens,
+                                      aux_layer_offset=aux_layer_offset),
     )

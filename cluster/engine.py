@@ -16,14 +16,20 @@ import torch
 
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
+from warpspec.eagle3_proposer import Eagle3Proposer
 from warpspec.errors import EngineError
 from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
+from warpspec.proposer import DraftRequest
+from warpspec.rejection_sampler import verify
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.scheduler import ScheduledSequence, Scheduler
 from warpspec.sequence import Sequence
+from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
+from warpspec.workers.eagle3 import load_eagle3
+from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.step import SequenceStep, StepInput
 
 Prompt = str | list[int]
@@ -43,6 +49,22 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.seed_source = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
+        self.proposer = self._load_proposer()
+        self.spec_stats = SpeculationStats()
+
+    def _load_proposer(self) -> Eagle3Proposer | None:
+        spec = self.config.speculative
+        if not spec.enabled:
+            return None
+        dtype = resolve_dtype(self.config.dtype, self.model_config)
+        runner = getattr(self.executor, "runner", None)
+        # The draft embeds with the target's table: shared in-process, read from the checkpoint otherwise.
+        if runner is not None:
+            embed = runner.model.model.embed_tokens.weight
+        else:
+            embed = read_checkpoint_tensor(self.config.model, "model.embed_tokens.weight", self.model_config).to(dtype)
+        draft = load_eagle3(spec.draft, self.model_config, embed, dtype, spec.aux_layer_offset)
+        return Eagle3Proposer(draft, self.executor.num_blocks, self.block_size)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -129,47 +151,122 @@ class LLMEngine:
             item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
             plan.append(SequenceStep(item.token_ids, item.num_cached,
                                      self.block_manager.block_tables[item.seq.request_id], self._logits_from(item)))
+        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else None
         try:
-            logits = self.executor.execute(StepInput.build(plan, self.block_size)).logits
+            output = self.executor.execute(StepInput.build(plan, self.block_size, aux_layer_ids))
         except EngineError:
             self._fail_all()
             raise
-        self.scheduler.update_after_step(sched)
+        logits = output.logits
 
-        sampling: list[ScheduledSequence] = []
-        sample_rows: list[int] = []
-        row = 0
+        # Rows of `logits` per scheduled sequence, in order.
+        row_starts, row = [], 0
         for item, p in zip(sched.scheduled, plan, strict=True):
-            num_rows = len(p.token_ids) - p.logits_from
+            row_starts.append(row)
             if item.wants_prompt_logprobs:
-                self._record_prompt_logprobs(item, logits[row : row + num_rows], item.num_cached + p.logits_from)
-            if item.samples:
-                sampling.append(item)
-                sample_rows.append(row + num_rows - 1)
-            row += num_rows
-        if not sampling:
-            return []
-        seqs = [item.seq for item in sampling]
-        last_logits = logits[sample_rows]
-        token_ids = sample(last_logits, [s.params for s in seqs], [s.generator for s in seqs],
-                           [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]).tolist()
-        if any(s.params.logprobs is not None for s in seqs):
-            self._record_logprobs(seqs, last_logits, token_ids)
+                self._record_prompt_logprobs(item, logits[row : row + len(p.token_ids) - p.logits_from],
+                                             item.num_cached + p.logits_from)
+            row += len(p.token_ids) - p.logits_from
+        emitted = self._choose_tokens(sched.scheduled, plan, row_starts, logits)
+
+        num_rejected: dict[str, int] = {}
+        outputs, finished = [], []
         now = time.perf_counter()
-        outputs = []
-        for seq, token in zip(seqs, token_ids, strict=True):
+        for item, tokens in zip(sched.scheduled, emitted, strict=True):
+            if tokens is None:
+                continue
+            seq = item.seq
             seq.first_token_time = seq.first_token_time or now
-            self._append_token(seq, token)
-            if seq.finish_reason is not None:
-                self.scheduler.remove(seq)
-                del self.requests[seq.request_id]
-            outputs.append(seq.to_output(*seq.take_delta()))
+            if item.draft_token_ids:
+                accepted = len(tokens) - 1
+                num_rejected[seq.request_id] = len(item.draft_token_ids) - accepted
+                self._count_acceptance(seq, len(item.draft_token_ids), accepted)
+            for token in tokens:
+                self._append_token(seq, token)
+                if seq.finish_reason is not None:
+                    finished.append(seq)
+                    break
+        self.scheduler.update_after_step(sched, num_rejected)
+        for seq in finished:
+            self.scheduler.remove(seq)
+            del self.requests[seq.request_id]
+        if self.proposer is not None:
+            self._propose(sched.scheduled, output.aux_hidden, num_rejected)
+        for item, tokens in zip(sched.scheduled, emitted, strict=True):
+            if tokens is not None:
+                outputs.append(item.seq.to_output(*item.seq.take_delta()))
         return outputs
+
+    def _choose_tokens(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], row_starts: list[int],
+                       logits: torch.Tensor) -> list[list[int] | None]:
+        """Per scheduled sequence: the tokens to append (one sampled token, or the verified drafts
+        plus the correction/bonus), or None when it is mid-prefill."""
+        emitted: list[list[int] | None] = [None] * len(scheduled)
+        plain = [i for i, item in enumerate(scheduled) if item.samples and not item.draft_token_ids]
+        if plain:
+            rows = [row_starts[i] + len(plan[i].token_ids) - plan[i].logits_from - 1 for i in plain]
+            seqs = [scheduled[i].seq for i in plain]
+            tokens = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
+                            [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]).tolist()
+            for i, row, token in zip(plain, rows, tokens, strict=True):
+                emitted[i] = [token]
+                self._record_logprobs(scheduled[i].seq, logits[row : row + 1], [token])
+        for i, item in enumerate(scheduled):
+            if item.samples and item.draft_token_ids:
+                k = len(item.draft_token_ids)
+                rows = logits[row_starts[i] : row_starts[i] + k + 1]
+                probs = item.seq.draft_probs[:k] if item.seq.draft_probs is not None else None
+                emitted[i] = verify(rows, item.draft_token_ids, probs, item.seq.params, item.seq.generator)
+                self._record_logprobs(item.seq, rows[: len(emitted[i])], emitted[i])
+        return emitted
+
+    def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
+        seq.num_verify_steps += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += accepted
+        stats = self.spec_stats
+        stats.num_verify_steps += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += accepted
+        for position in range(num_drafts):
+            stats.proposed_at[position] = stats.proposed_at.get(position, 0) + 1
+            if position < accepted:
+                stats.accepted_at[position] = stats.accepted_at.get(position, 0) + 1
+
+    def _propose(self, scheduled: list[ScheduledSequence], aux_hidden: list[torch.Tensor],
+                 num_rejected: dict[str, int]) -> None:
+        """Bring the draft up to date on every position the target computed this step, and ask it for
+        the next drafts of each sequence that will decode next step."""
+        features = torch.cat(aux_hidden, dim=-1) if aux_hidden else None  # [num_tokens, 3 * hidden]
+        requests, token_start = [], 0
+        k = self.config.speculative.num_speculative_tokens
+        for item in scheduled:
+            seq = item.seq
+            valid = len(item.token_ids) - num_rejected.get(seq.request_id, 0)
+            rows = features[token_start : token_start + valid] if features is not None else None
+            token_start += len(item.token_ids)
+            seq.draft_token_ids, seq.draft_probs = [], None
+            if seq.finish_reason is not None:
+                continue
+            num_drafts = 0
+            if item.samples and not seq.params.has_penalties:
+                # Never past max_model_len, and no more than the output still allowed.
+                num_drafts = max(0, min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                                        self.max_model_len - seq.num_tokens))
+                # The draft writes its KV up to position num_tokens + num_drafts - 3.
+                if num_drafts > 1 and not self.block_manager.can_allocate(seq.request_id,
+                                                                          seq.num_tokens + num_drafts - 2):
+                    num_drafts = 1
+                if num_drafts > 1:
+                    self.block_manager.allocate(seq.request_id, seq.num_tokens + num_drafts - 2)
+            requests.append(DraftRequest(seq, item.num_cached, valid, rows, num_drafts,
+                                         self.block_manager.block_tables[seq.request_id]))
+        self.proposer.propose(requests)
 
     def _logits_from(self, item: ScheduledSequence) -> int:
         """First of the step's tokens whose logits are needed: all of them while prompt logprobs are
-        being collected, else only the last one when it is sampled, else none."""
-        if item.wants_prompt_logprobs:
+        being collected or drafts verified, else only the last one when it is sampled, else none."""
+        if item.wants_prompt_logprobs or item.draft_token_ids:
             return 0
         return len(item.token_ids) - 1 if item.samples else len(item.token_ids)
 
@@ -200,12 +297,11 @@ class LLMEngine:
         seq.prompt_logprobs.extend(top_logprobs(torch.log_softmax(logits[start:end], dim=-1), targets,
                                                 seq.params.prompt_logprobs, self._decode_token))
 
-    def _record_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, token_ids: list[int]) -> None:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        for row, seq in enumerate(seqs):
-            if seq.params.logprobs is not None:
-                seq.logprobs.extend(top_logprobs(logprobs[row : row + 1], [token_ids[row]],
-                                                 seq.params.logprobs, self._decode_token))
+    def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, token_ids: list[int]) -> None:
+        """logits [len(token_ids), vocab]: the rows that chose token_ids."""
+        if seq.params.logprobs is not None:
+            seq.logprobs.extend(top_logprobs(torch.log_softmax(logits, dim=-1), token_ids, seq.params.logprobs,
+                                             self._decode_token))
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         params = seq.params

@@ -61,6 +61,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     greedy = logits.argmax(dim=-1)
     if all(p.is_greedy for p in params):
         return greedy
+    sampled = sample_from(sampling_probs(logits, params), generators)
+    is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k / top-p, then min-p.
+    [batch, vocab] -> [batch, vocab] probabilities (greedy rows get temperature 1)."""
     device = logits.device
     temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=device)
     top_k = torch.tensor([p.effective_top_k for p in params], device=device)
@@ -71,11 +79,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         # Drop tokens less likely than min_p times the most likely one, then renormalise.
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i.
-    noise = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=g) for g in generators])
-    sampled = (probs / noise.to(device)).argmax(dim=-1)
-    is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
-    return torch.where(is_greedy, greedy, sampled)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [batch, vocab], each row with its own generator.
+    Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i."""
+    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
+    return (probs / noise.to(probs.device)).argmax(dim=-1)
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: list[int], num: int,

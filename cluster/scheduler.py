@@ -73,7 +73,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_cached, budget)
+            # A decoding sequence also runs its draft tokens: 1 + k positions verified in one step.
+            num_new = min(seq.num_tokens - seq.num_cached + len(seq.draft_token_ids), budget)
             while not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
                 victim = self.running.pop()  # the most recently arrived
                 self._preempt(victim)
@@ -106,18 +107,20 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
 
-    def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: its tokens are in the KV cache now."""
+    def update_after_step(self, output: SchedulerOutput, num_rejected: dict[str, int]) -> None:
+        """The step ran: its tokens are in the KV cache now, except rejected drafts, whose entries are
+        rolled back (they are overwritten later, and never enter the prefix cache)."""
         for item in output.scheduled:
             seq = item.seq
-            seq.num_cached = item.num_cached + len(item.token_ids)
+            seq.num_cached = item.num_cached + len(item.token_ids) - num_rejected.get(seq.request_id, 0)
             self.block_manager.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_cached)
 
     def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         self.block_manager.allocate(seq.request_id, seq.num_cached + num_new)
         token_ids = seq.all_token_ids[seq.num_cached : seq.num_cached + num_new]
-        return ScheduledSequence(seq, token_ids, seq.num_cached,
-                                 samples=seq.num_cached + num_new == seq.num_tokens)
+        drafts = seq.draft_token_ids[: num_new - len(token_ids)]
+        return ScheduledSequence(seq, token_ids + drafts, seq.num_cached, draft_token_ids=drafts,
+                                 samples=seq.num_cached + len(token_ids) == seq.num_tokens)
 
     def _match_prefix(self, seq: Sequence) -> None:
         # Prompt logprobs need logits at every prompt position, so such requests compute them all.
@@ -129,5 +132,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.request_id)
         seq.num_cached = 0
+        seq.draft_token_ids, seq.draft_probs = [], None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

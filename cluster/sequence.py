@@ -36,6 +36,12 @@ class Sequence:
     all_token_ids: list[int] = field(init=False)
     num_streamed_tokens: int = 0  # output tokens already handed out as deltas
     num_streamed_chars: int = 0
+    # Speculation: the proposer's drafts for the next step, and what verification made of them.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [num_drafts, vocab] when the drafts were sampled
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -60,6 +66,11 @@ class Sequence:
             metrics["queue_time_s"] = self.first_scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             metrics["time_to_first_token_s"] = self.first_token_time - self.arrival_time
+        if self.num_verify_steps:
+            # Tokens gained per target step that verified drafts: accepted drafts plus the bonus.
+            metrics["acceptance_length"] = (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+            metrics["draft_tokens"] = self.num_draft_tokens
+            metrics["accepted_draft_tokens"] = self.num_accepted_tokens
         if self.finish_time is not None and self.first_token_time is not None and len(self.output_token_ids) > 1:
             metrics["time_per_output_token_s"] = (self.finish_time - self.first_token_time) / (
                 len(self.output_token_ids) - 1

@@ -197,26 +197,26 @@ class Llama4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInput,
                 aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions [num_tokens] -> final normed hidden [num_tokens, hidden] and, for each
-        layer id in aux_layer_ids (in increasing order), the residual stream ENTERING that layer
-        [num_tokens, hidden] (EAGLE-3's features; id == num_layers: the stream before the final norm)."""
+        layer id in aux_layer_ids (in the order given, repeats allowed), the residual stream ENTERING
+        that layer [num_tokens, hidden] (EAGLE-3's features; id == num_layers: the stream before the
+        final norm)."""
         freqs_cis = rope_freqs_cis(positions, self.inv_freq)
         block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
         attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
                                            step.max_query_len, step.max_seq_len)
         # The embedding is a partial sum over vocabulary shards; layer 0's input norm reduces it.
         hidden, residual = self.model.embed_tokens(input_ids), None
-        aux: list[torch.Tensor] = []
+        captured: dict[int, torch.Tensor] = {}
         for layer_id, layer in enumerate(self.model.layers):
             # Reduce the previous partial, add it to the stream, normalise: one collective. After it,
             # `residual` is the full stream entering this layer, the value EAGLE-3 captures.
             normed, residual = layer.input_layernorm(hidden, residual)
             if layer_id in aux_layer_ids:
-                aux.append(residual)
+                captured[layer_id] = residual
             hidden, residual = layer(positions, normed, residual, step, freqs_cis, attn_meta)
         hidden, residual = self.model.norm(hidden, residual)
-        if len(self.model.layers) in aux_layer_ids:
-            aux.append(residual)
-        return hidden, aux
+        captured[len(self.model.layers)] = residual
+        return hidden, [captured[i] for i in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_logits, hidden] -> [num_logits, vocab] float32 on rank 0; None on other ranks."""

@@ -112,3 +112,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
     model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()))
     return model.eval()
+
+
+def read_checkpoint_tensor(model_dir: str | Path, name: str, config: ModelConfig) -> torch.Tensor:
+    """One whole tensor of a text checkpoint by its Llama4ForCausalLM name (prefix added for the
+    multimodal layout), e.g. the embedding table a draft model shares."""
+    full_name = config.tensor_prefix + name
+    for tensor_name, tensor in iter_checkpoint_tensors(safetensors_files(Path(model_dir))):
+        if tensor_name == full_name:
+            return tensor.read()
+    raise CheckpointError(f"checkpoint {model_dir} is missing tensor {full_name}")

@@ -48,10 +48,10 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, aux_layer_ids: tuple[int, ...] = ()) -> StepOutput:
+    def execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
         step = step.to(self.device)
-        hidden, aux = self.model(step.input_ids, step.positions, step, aux_layer_ids)
+        hidden, aux = self.model(step.input_ids, step.positions, step, tuple(step.aux_layer_ids))
         logits = self.model.compute_logits(hidden[step.logits_indices])
         if logits is None:  # not rank 0: nothing large goes back
             aux = []

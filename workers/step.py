@@ -7,7 +7,7 @@ sequence that already has `seq_len - query_len` tokens in the KV cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -35,13 +35,15 @@ class StepInput:
     logits_indices: torch.Tensor  # [num_logits] int64, rows of the flat batch to score
     max_query_len: int
     max_seq_len: int
+    # Target layers whose entering hidden states the step must return (EAGLE-3's features).
+    aux_layer_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     @classmethod
-    def build(cls, seqs: list[SequenceStep], block_size: int) -> StepInput:
+    def build(cls, seqs: list[SequenceStep], block_size: int, aux_layer_ids: list[int] | None = None) -> StepInput:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -74,6 +76,7 @@ class StepInput:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             max_query_len=max(len(s.token_ids) for s in seqs),
             max_seq_len=max_seq_len,
+            aux_layer_ids=list(aux_layer_ids or []),
         )
 
     def to(self, device: torch.device | str) -> StepInput:

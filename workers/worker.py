@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +26,6 @@ class WorkerConfig:
     comm: CommInit
     device: str = "cpu"
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
 @dataclass
@@ -54,7 +53,7 @@ class ShardWorker:
     def execute(self, step_bytes: bytes) -> bytes:
         """Encoded StepInput -> encoded StepOutput (logits only on rank 0)."""
         step = StepInput.from_bytes(step_bytes)
-        return self.runner.execute(step, self.config.aux_layer_ids).to_bytes()
+        return self.runner.execute(step).to_bytes()
 
     def num_collectives(self) -> int:
         return self.comm.num_collectives

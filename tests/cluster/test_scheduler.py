@@ -19,7 +19,7 @@ def _seq(request_id: str, prompt: list[int], prompt_logprobs: int | None = None)
 def _run(scheduler: Scheduler):
     """One step as the engine does it: schedule, mark computed, append a token to each sampled seq."""
     out = scheduler.schedule()
-    scheduler.update_after_step(out)
+    scheduler.update_after_step(out, {})
     for item in out.scheduled:
         if item.samples:
             item.seq.append_token(7)

@@ -46,7 +46,7 @@ def test_mixed_step_equals_each_sequence_alone(checkpoint):
 def test_aux_hidden_states_are_the_streams_entering_those_layers(checkpoint):
     prompt = _tokens(4, 12)
     runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=8))
-    out = runner.execute(StepInput.build([SequenceStep(prompt, 0, [0, 1, 2], 11)], BLOCK), aux_layer_ids=(0, 2, 3))
+    out = runner.execute(StepInput.build([SequenceStep(prompt, 0, [0, 1, 2], 11)], BLOCK, aux_layer_ids=[0, 2, 3]))
     reference = load_reference(checkpoint)
     with torch.no_grad():
         ids = torch.tensor([prompt])

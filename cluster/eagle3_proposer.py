@@ -1,0 +1,85 @@
+"""EAGLE-3 proposals: catch the draft up on the positions the target just verified, then run it
+k - 1 more steps on its own output.
+
+Position pairing (as in EAGLE and vLLM): the draft at position p reads the target's features at p
+and the token at p + 1, and predicts the token at p + 2. With target tokens [a0 a1 a2] and a freshly
+sampled a3: catch-up runs positions 0..2 on tokens [a1 a2 a3] and predicts d1 (for position 4) from
+the last row; the next step runs position 3 on token d1 with the draft's own pre-norm output as the
+feature, predicting d2; and so on. The draft's KV cache shares the target's block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from warpspec.kernels import PagedAttentionMetadata
+from warpspec.proposer import DraftRequest
+from warpspec.sampler import sample_from
+from warpspec.workers.eagle3 import Eagle3Draft
+from warpspec.workers.step import SequenceStep, StepInput
+
+
+class Eagle3Proposer:
+    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+        c = draft.config
+        self.draft = draft
+        self.block_size = block_size
+        self.aux_layer_ids = c.aux_layer_ids
+        draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+                                     dtype=draft.fc.dtype, device=device)
+
+    def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        step = StepInput.build(plan, self.block_size)
+        meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
+                                      step.max_query_len, step.max_seq_len)
+        logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
+        return logits[step.logits_indices], prenorm[step.logits_indices]
+
+    def _choose(self, logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[list[int], torch.Tensor | None]:
+        """Draft-vocab logits [n, draft_vocab] -> target token ids, and the target-vocab
+        distributions they were drawn from (None when every request is greedy)."""
+        if all(r.seq.params.is_greedy for r in requests):
+            return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), None
+        temperature = torch.tensor([r.seq.params.temperature or 1.0 for r in requests])
+        draft_probs = (logits / temperature[:, None]).softmax(dim=-1)
+        choice = sample_from(draft_probs, [r.seq.generator for r in requests])
+        greedy = torch.tensor([r.seq.params.is_greedy for r in requests])
+        choice = torch.where(greedy, logits.argmax(dim=-1), choice)
+        target_vocab = self.draft.embed_tokens.shape[0]
+        probs = torch.zeros(len(requests), target_vocab)
+        probs.index_copy_(1, self.draft.to_target_ids(torch.arange(logits.shape[-1])), draft_probs)
+        return self.draft.to_target_ids(choice).tolist(), probs
+
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> None:
+        if not requests:
+            return
+        plan, features = [], []
+        for r in requests:
+            n = r.num_positions
+            pair_tokens = r.seq.all_token_ids[r.first_position + 1 : r.first_position + 1 + n]
+            plan.append(SequenceStep(pair_tokens, r.first_position, r.block_table,
+                                     logits_from=n - 1 if r.num_drafts else n))
+            features.append(r.features)
+        logits, prenorm = self._run(plan, torch.cat(features).to(self.draft.fc.dtype))
+        active = [r for r in requests if r.num_drafts]
+        for r in requests:
+            r.seq.draft_token_ids, r.seq.draft_probs = [], []
+        position = {id(r): r.first_position + r.num_positions for r in active}
+        step = 0
+        while active:
+            tokens, probs = self._choose(logits, active)
+            for i, (r, token) in enumerate(zip(active, tokens, strict=True)):
+                r.seq.draft_token_ids.append(token)
+                if probs is not None:
+                    r.seq.draft_probs.append(probs[i])
+            step += 1
+            keep = [i for i, r in enumerate(active) if r.num_drafts > step]
+            if not keep:
+                break
+            active = [active[i] for i in keep]
+            plan = [SequenceStep([r.seq.draft_token_ids[-1]], position[id(r)] + step - 1, r.block_table, 0)
+                    for r in active]
+            logits, prenorm = self._run(plan, prenorm[keep])
+        for r in requests:
+            r.seq.draft_probs = torch.stack(r.seq.draft_probs) if r.seq.draft_probs else None

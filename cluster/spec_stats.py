@@ -1,0 +1,24 @@
+"""Engine-wide speculative decoding figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpeculationStats:
+    num_verify_steps: int = 0  # sequence-steps that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    proposed_at: dict[int, int] = field(default_factory=dict)  # draft position -> times proposed
+    accepted_at: dict[int, int] = field(default_factory=dict)  # draft position -> times accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens gained per verifying step: accepted drafts plus the one bonus/correction."""
+        if not self.num_verify_steps:
+            return 0.0
+        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+
+    def acceptance_rate_at(self) -> list[float]:
+        return [self.accepted_at.get(i, 0) / n for i, n in sorted(self.proposed_at.items())]

@@ -1,0 +1,152 @@
+"""Speculative decoding is lossless: greedy output is token-for-token what it is without drafts, and
+sampled output follows the target's distribution."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from eagle3_checkpoints import make_eagle3_checkpoint
+
+from hf_checkpoints import make_text_checkpoint
+from warpspec import LLM, SamplingParams
+from warpspec.proposer import DraftRequest
+from warpspec.rejection_sampler import verify
+from warpspec.workers.eagle3 import Eagle3Config
+from warpspec.workers.errors import CheckpointError
+from warpspec.workers.model_config import ModelConfig
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_text_checkpoint(tmp_path_factory.mktemp("target"), num_hidden_layers=6, attention_chunk_size=8,
+                                floor_scale=4, interleave_moe_layer_step=2)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    return make_eagle3_checkpoint(tmp_path_factory.mktemp("draft"), hidden=64, vocab=160, draft_vocab=64,
+                                  aux_layer_ids=[1, 3, 4])
+
+
+def _prompts(lengths=(5, 17, 30, 1, 9)) -> list[list[int]]:
+    return [torch.randint(3, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    with LLM(str(target), dtype="float32") as llm:
+        return llm.generate(_prompts(), GREEDY)
+
+
+def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, reference):
+    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3, block_size=4,
+             max_num_batched_tokens=24) as llm:
+        outs = llm.generate(_prompts(), GREEDY)
+        stats = llm.engine.spec_stats
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
+    assert all("acceptance_length" in o.metrics for o in outs)
+
+
+class ScriptedProposer:
+    """Proposes each request's known greedy continuation, corrupted at random positions: drives
+    full accepts (bonus tokens), partial accepts and rollbacks across block boundaries."""
+
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, continuations: dict[str, list[int]], error_rate: float, seed: int = 0):
+        self.continuations = continuations
+        self.error_rate = error_rate
+        self.rng = random.Random(seed)
+
+    def propose(self, requests: list[DraftRequest]) -> None:
+        for r in requests:
+            done = len(r.seq.output_token_ids)
+            drafts = list(self.continuations[r.seq.request_id][done : done + r.num_drafts])
+            for i in range(len(drafts)):
+                if self.rng.random() < self.error_rate:
+                    drafts[i] = (drafts[i] + 1) % 160
+            r.seq.draft_token_ids, r.seq.draft_probs = drafts, None
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference, error_rate):
+    continuations = {f"offline-{i}": r.token_ids for i, r in enumerate(reference)}
+    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=4, block_size=4) as llm:
+        llm.engine.proposer = ScriptedProposer(continuations, error_rate)
+        outs = llm.generate(_prompts(), GREEDY)
+        stats = llm.engine.spec_stats
+        manager = llm.engine.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert stats.num_accepted_tokens > 0
+    if error_rate == 0.0:
+        # Every draft is right: 4 accepted + 1 bonus per step, except where max_tokens cuts drafting short.
+        assert stats.acceptance_length > 4.0
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_drafts_never_cross_max_tokens_or_stop_tokens(target, draft, reference):
+    continuations = {f"offline-{i}": r.token_ids for i, r in enumerate(reference)}
+    stop = reference[2].token_ids[6]
+    first_stop = reference[2].token_ids.index(stop)
+    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=4) as llm:
+        llm.engine.proposer = ScriptedProposer(continuations, 0.0)
+        outs = llm.generate(_prompts(), SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop]))
+    assert outs[2].token_ids == reference[2].token_ids[: min(first_stop + 1, 10)]
+    assert all(len(o.token_ids) <= 10 for o in outs)
+
+
+def test_rejection_sampling_emits_the_target_distribution():
+    """Whatever the draft's q, the first emitted token is distributed as the target's p."""
+    p_logits = torch.log(torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1]))
+    q = torch.tensor([0.5, 0.1, 0.1, 0.2, 0.1])
+    params = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    trials = 6000
+    for _ in range(trials):
+        draft = int(torch.multinomial(q, 1, generator=generator))
+        tokens = verify(torch.stack([p_logits, p_logits]), [draft], q[None], params, generator)
+        counts[tokens[0]] += 1
+    expected = torch.softmax(p_logits, -1) * trials
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47  # the 0.1% point of chi-square with 4 degrees of freedom
+
+
+def test_sampled_speculation_runs_to_length(target, draft):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    with LLM(str(target), dtype="float32", draft=str(draft)) as llm:
+        outs = llm.generate(_prompts(), params)
+        again = llm.generate(_prompts(), params)
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again]  # seeded: reproducible
+
+
+def test_public_checkpoint_layer_id_conventions(target, tmp_path):
+    config = ModelConfig.from_pretrained(target)
+    default = make_eagle3_checkpoint(tmp_path / "default", hidden=64, vocab=160, draft_vocab=32)
+    assert Eagle3Config.from_pretrained(default, config).aux_layer_ids == (2, 3, 3)  # (2, L // 2, L - 3), L = 6
+    declared = make_eagle3_checkpoint(tmp_path / "declared", hidden=64, vocab=160, draft_vocab=32,
+                                      aux_layer_ids=[1, 2, 3], with_embeddings=True)
+    assert Eagle3Config.from_pretrained(declared, config).aux_layer_ids == (1, 2, 3)
+    assert Eagle3Config.from_pretrained(declared, config, aux_layer_offset=1).aux_layer_ids == (2, 3, 4)
+    with LLM(str(target), dtype="float32", draft=str(declared)) as llm:  # embed_tokens in the draft is ignored
+        assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == 24
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(hidden=32), "draft expects target hidden size 32, the target has 64"),
+    (dict(vocab=200), "draft vocab_size 200 differs from the target's 160"),
+])
+def test_mismatched_drafts_are_refused(target, tmp_path, kwargs, message):
+    args = dict(hidden=64, vocab=160, draft_vocab=32) | kwargs
+    path = make_eagle3_checkpoint(tmp_path / "bad", **args)
+    with pytest.raises(CheckpointError, match=message):
+        LLM(str(target), dtype="float32", draft=str(path))
