@@ -24,7 +24,8 @@ def _generate(args: argparse.Namespace) -> None:
             raise InvalidRequestError("--prompt-token-ids must be comma-separated integers") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    with LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len) as llm:
+    with LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
+             num_speculative_tokens=args.num_speculative_tokens) as llm:
         out = llm.generate([prompt], params)[0]
     if args.json:
         print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "text": out.text,
@@ -41,7 +42,19 @@ def _create_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.preset} Llama 4 checkpoint with tokenizer to {path}")
 
 
-BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch", "throughput": "warpspec.benchmarks.throughput"}
+def _train_draft(args: argparse.Namespace) -> None:
+    from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig
+
+    config = TrainConfig(target=args.target, data=args.data, out=args.out, draft_vocab_size=args.draft_vocab_size,
+                         steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                         ttt_steps=args.ttt_steps, seed=args.seed)
+    result = DraftTrainer(config).train()
+    print(json.dumps(result))
+    print(f"wrote the draft to {args.out}")
+
+
+BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch", "throughput": "warpspec.benchmarks.throughput",
+              "spec": "warpspec.benchmarks.spec"}
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -69,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-model-len", type=int)
+    gen.add_argument("--draft", help="EAGLE-3 draft checkpoint folder: speculative decoding")
+    gen.add_argument("--num-speculative-tokens", type=int, default=3)
     gen.add_argument("--json", action="store_true", help="print one JSON object with token ids and text")
     gen.set_defaults(func=_generate)
 
@@ -79,7 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--seed", type=int, default=0)
     create.set_defaults(func=_create_checkpoint)
 
-    bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput); `warpspec bench NAME --help`")
+    train = commands.add_parser("train-draft", help="train an EAGLE-3 draft for a target on a text corpus")
+    train.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
+    train.add_argument("--data", required=True, help="a text file, or JSONL with a 'text' field per line")
+    train.add_argument("--out", required=True, help="where to write the draft (public EAGLE-3 format)")
+    train.add_argument("--draft-vocab-size", type=int, default=1024)
+    train.add_argument("--steps", type=int, default=500)
+    train.add_argument("--seq-len", type=int, default=128)
+    train.add_argument("--batch-size", type=int, default=8)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=_train_draft)
+
+    bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput, spec); "
+                                              "`warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)

@@ -67,6 +67,7 @@ class SpeculativeConfig:
     # 0 when the checkpoint's eagle_aux_hidden_state_layer_ids follow vLLM (id i = the stream entering
     # layer i), 1 for checkpoints configured in SGLang's convention (one lower for the same layers).
     aux_layer_offset: int = 0
+    compile_draft: bool = True  # torch.compile the draft (eager, with a warning, if that fails)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -105,7 +106,7 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
                   executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
                   draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
-                  run_dir: str = "runs") -> EngineConfig:
+                  compile_draft: bool = True, run_dir: str = "runs") -> EngineConfig:
     """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
     return EngineConfig(
         model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
@@ -117,5 +118,5 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                                 placement_timeout_s=placement_timeout_s),
         speculative=SpeculativeConfig(draft=None if draft is None else str(draft),
                                       num_speculative_tokens=num_speculative_tokens,
-                                      aux_layer_offset=aux_layer_offset),
+                                      aux_layer_offset=aux_layer_offset, compile_draft=compile_draft),
     )

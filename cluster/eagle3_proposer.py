@@ -10,6 +10,8 @@ feature, predicting d2; and so on. The draft's KV cache shares the target's bloc
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from warpspec.kernels import PagedAttentionMetadata
@@ -19,14 +21,40 @@ from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput
 
 
+class CompiledWithFallback:
+    """torch.compile of a tensors-in, tensors-out function; if compiling or running the compiled
+    code fails, warn once and run the function eagerly from then on."""
+
+    def __init__(self, fn, name: str):
+        self.eager, self.name = fn, name
+        self.compiled = torch.compile(fn, dynamic=True)
+        self.failed = False
+
+    def __call__(self, *args: torch.Tensor):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # noqa: BLE001 - any compiler failure means: run eagerly
+                warnings.warn(f"torch.compile of {self.name} failed ({type(error).__name__}: {error}); "
+                              "running it eagerly", stacklevel=2)
+                self.failed = True
+        return self.eager(*args)
+
+
 class Eagle3Proposer:
-    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu"):
+    def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
+                 compile: bool = True):
         c = draft.config
         self.draft = draft
         self.block_size = block_size
         self.aux_layer_ids = c.aux_layer_ids
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
+        if compile:
+            # The dense halves around attention take only tensors whose one varying size is the token
+            # count, so one dynamic-shape graph serves every step.
+            draft.before_attention = CompiledWithFallback(draft.before_attention, "the EAGLE-3 draft")
+            draft.after_attention = CompiledWithFallback(draft.after_attention, "the EAGLE-3 draft")
 
     def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = StepInput.build(plan, self.block_size)

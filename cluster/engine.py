@@ -10,7 +10,9 @@ Both front ends drive it: LLM (blocking, a batch at a time) and AsyncLLM (stream
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,7 +66,10 @@ class LLMEngine:
         else:
             embed = read_checkpoint_tensor(self.config.model, "model.embed_tokens.weight", self.model_config).to(dtype)
         draft = load_eagle3(spec.draft, self.model_config, embed, dtype, spec.aux_layer_offset)
-        return Eagle3Proposer(draft, self.executor.num_blocks, self.block_size)
+        if spec.compile_draft:
+            # Compiled kernels are cached here, so a restart does not pay the compile again.
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.config.run_dir, "inductor").resolve()))
+        return Eagle3Proposer(draft, self.executor.num_blocks, self.block_size, compile=spec.compile_draft)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -142,6 +147,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns an output for every request that gained tokens or finished,
         carrying the new tokens and text as a delta."""
+        step_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -191,10 +197,13 @@ class LLMEngine:
             self.scheduler.remove(seq)
             del self.requests[seq.request_id]
         if self.proposer is not None:
+            draft_start = time.perf_counter()
             self._propose(sched.scheduled, output.aux_hidden, num_rejected)
+            self.spec_stats.draft_time_s += time.perf_counter() - draft_start
         for item, tokens in zip(sched.scheduled, emitted, strict=True):
             if tokens is not None:
                 outputs.append(item.seq.to_output(*item.seq.take_delta()))
+        self.spec_stats.step_time_s += time.perf_counter() - step_start
         return outputs
 
     def _choose_tokens(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], row_starts: list[int],

@@ -12,6 +12,12 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     proposed_at: dict[int, int] = field(default_factory=dict)  # draft position -> times proposed
     accepted_at: dict[int, int] = field(default_factory=dict)  # draft position -> times accepted
+    step_time_s: float = 0.0  # engine steps, in all
+    draft_time_s: float = 0.0  # of which the proposer
+
+    @property
+    def draft_share(self) -> float:
+        return self.draft_time_s / self.step_time_s if self.step_time_s else 0.0
 
     @property
     def acceptance_length(self) -> float:

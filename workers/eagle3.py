@@ -134,9 +134,18 @@ class Eagle3Draft(nn.Module):
         aux states) or [num_tokens, hidden] (the draft's own previous output). Returns draft-vocab
         logits [num_tokens, draft_vocab] float32 and the pre-norm output [num_tokens, hidden]."""
         c = self.config
+        q, k, v, residual = self.before_attention(token_ids, features, positions)
+        write_kv_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
+        attn = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, c.head_dim**-0.5, None)
+        return self.after_attention(attn.reshape(attn.shape[0], -1), residual)
+
+    def before_attention(self, token_ids: torch.Tensor, features: torch.Tensor,
+                         positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Tensors in, tensors out (so torch.compile can take it whole): q, k, v after RoPE, and the
+        residual (the fused feature)."""
+        c = self.config
         if features.shape[-1] != c.hidden_size:
             features = F.linear(features, self.fc)
-        residual = features
         x = torch.cat([self._rms(F.embedding(token_ids, self.embed_tokens), self.input_layernorm),
                        self._rms(features, self.hidden_norm)], dim=-1)
         n = x.shape[0]
@@ -146,16 +155,14 @@ class Eagle3Draft(nn.Module):
         angles = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        q, k = _rotate_half_rope(q, cos, sin), _rotate_half_rope(k, cos, sin)
-        write_kv_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
-        attn = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, c.head_dim**-0.5, None)
-        hidden = F.linear(attn.reshape(n, -1), self.o_proj) + residual
-        residual = hidden
-        hidden = self._rms(hidden, self.post_attention_layernorm)
-        hidden = F.linear(F.silu(F.linear(hidden, self.gate_proj)) * F.linear(hidden, self.up_proj), self.down_proj)
-        prenorm = hidden + residual
-        logits = F.linear(self._rms(prenorm, self.norm), self.lm_head).float()
-        return logits, prenorm
+        return _rotate_half_rope(q, cos, sin), _rotate_half_rope(k, cos, sin), v, features
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = F.linear(attn, self.o_proj) + residual
+        normed = self._rms(hidden, self.post_attention_layernorm)
+        prenorm = hidden + F.linear(F.silu(F.linear(normed, self.gate_proj)) * F.linear(normed, self.up_proj),
+                                    self.down_proj)
+        return F.linear(self._rms(prenorm, self.norm), self.lm_head).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,55 @@
+"""`warpspec train-draft` learns, writes the public format, and the result decodes losslessly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from warpspec import LLM, SamplingParams
+from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Real text that is always on disk: Python's own standard library sources."""
+    stdlib = Path(sys.modules["os"].__file__).parent
+    path = tmp_path_factory.mktemp("corpus") / "stdlib.txt"
+    path.write_text("\n\n".join(p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[60:90]))
+    return path
+
+
+@pytest.mark.slow
+def test_training_improves_agreement_and_writes_a_loadable_draft(tmp_path, corpus):
+    target = create_random_checkpoint(tmp_path / "target", "tiny", std=0.3)
+    config = TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "draft"), steps=60, seq_len=48,
+                         batch_size=4, draft_vocab_size=128, ttt_steps=2)
+    trainer = DraftTrainer(config)
+    before = trainer.validate()
+    result = trainer.train()
+    # Measured here: top-1 agreement with the target goes from ~0.004 to ~0.04 in 60 steps.
+    assert all(after > 2 * start for after, start in zip(result["val_agreement"], before, strict=True))
+    saved = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLMEagle3"] and saved["draft_vocab_size"] == 128
+    prompts = ["def main():", "import os"]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(target), dtype="float32") as llm:
+        expected = llm.generate(prompts, params)
+    with LLM(str(target), dtype="float32", draft=str(tmp_path / "draft"), compile_draft=False) as llm:
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_bad_training_input(tmp_path, corpus):
+    target = create_random_checkpoint(tmp_path / "target", "tiny")
+    with pytest.raises(ValueError, match="seq_len 4 is too short for 3 unrolled steps"):
+        TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "o"), seq_len=4)
+    with pytest.raises(ValueError, match="not found"):
+        DraftTrainer(TrainConfig(target=str(target), data=str(tmp_path / "none.txt"), out=str(tmp_path / "o")))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "wrong field"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object with a 'text' field"):
+        DraftTrainer(TrainConfig(target=str(target), data=str(bad), out=str(tmp_path / "o")))

@@ -1,0 +1,1 @@
+"""Training code: EAGLE-3 drafts for a target (and, later, the bundled target itself)."""
