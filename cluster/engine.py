@@ -2,8 +2,9 @@
 
     sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
     out = executor.execute(step)      # the model, in-process or across the Ray workers
-    tokens = sample(...)              # for the sequences that reached their last token
+    tokens = sample(...) / verify()   # one token, or the accepted drafts plus one, per sequence
     append, detokenize, check stops   # finished requests leave and free their blocks at once
+    proposer.propose(...)             # when speculating: the next step's draft tokens
 
 Both front ends drive it: LLM (blocking, a batch at a time) and AsyncLLM (streaming, many users).
 """
