@@ -169,3 +169,54 @@ def test_compiled_draft_is_still_lossless(target, draft, reference):
         outs = llm.generate(_prompts(), GREEDY)
         assert not llm.engine.proposer.draft.before_attention.failed  # it really ran compiled
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+class SkewedProposer:
+    """Samples one draft from a fixed q that is skewed against the target (most mass on the target's
+    least likely candidate), so acceptance and the residual resample both matter."""
+
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, options: dict[int, list[int]], vocab: int):
+        self.options, self.vocab = options, vocab
+
+    def propose(self, requests: list[DraftRequest]) -> None:
+        for r in requests:
+            r.seq.draft_token_ids, r.seq.draft_probs = [], None
+            if not r.num_drafts:
+                continue
+            q = torch.zeros(self.vocab)
+            q[self.options[r.seq.output_token_ids[0]]] = torch.tensor([0.1, 0.2, 0.7])
+            draft = int(torch.multinomial(q, 1, generator=r.seq.generator))
+            r.seq.draft_token_ids, r.seq.draft_probs = [draft], q[None]
+
+
+@pytest.mark.parametrize("proposer", ["eagle3", "skewed"])
+def test_sampled_speculation_matches_the_target_joint_distribution(target, draft, proposer):
+    """End to end: (t1, t2) drawn with drafts follow the target's exact joint p(t1) * p(t2 | t1).
+    top_k=3 keeps the joint to 9 cells; t2 is the first token that passes through verification (t1
+    is sampled by the prefill step)."""
+    prompt = [1, 40, 41, 42, 43]
+    # max_tokens 3: after t1 there is room for one draft (drafting for the very last token is pointless).
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(900)]
+    joint, options = {}, {}
+    with LLM(str(target), dtype="float32") as llm:
+        first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0].logprobs[0]
+        candidates = sorted(first, key=lambda t: first[t].rank)[:3]
+        p1 = torch.softmax(torch.tensor([first[t].logprob for t in candidates]), -1)
+        for t1, p in zip(candidates, p1.tolist(), strict=True):
+            second = llm.generate([prompt + [t1]], SamplingParams(max_tokens=1, temperature=0, logprobs=3))[0]
+            options[t1] = sorted(second.logprobs[0], key=lambda t: second.logprobs[0][t].rank)[:3]
+            p2 = torch.softmax(torch.tensor([second.logprobs[0][t].logprob for t in options[t1]]), -1)
+            joint.update({(t1, t2): p * q for t2, q in zip(options[t1], p2.tolist(), strict=True)})
+    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=2) as llm:
+        if proposer == "skewed":
+            llm.engine.proposer = SkewedProposer(options, vocab=160)
+        outs = llm.generate([prompt] * len(params), params)
+        stats = llm.engine.spec_stats
+        assert stats.num_verify_steps == len(params) and 0 < stats.num_accepted_tokens < len(params)
+    counts = {cell: 0 for cell in joint}
+    for out in outs:
+        counts[tuple(out.token_ids[:2])] += 1  # a pair outside the 9 cells would raise KeyError: wrong support
+    chi2 = sum((counts[c] - len(params) * joint[c]) ** 2 / (len(params) * joint[c]) for c in joint)
+    assert chi2 < 26.12  # the 0.1% point of chi-square with 8 degrees of freedom
