@@ -12,6 +12,7 @@ from pathlib import Path
 
 from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
+from warpspec.spec_stats import SpeculationStats
 
 
 def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[list[int]]:
@@ -22,7 +23,7 @@ def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[list[int]]:
 def measure(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm up, compile
-    llm.engine.spec_stats.__init__()  # count the measured runs only
+    llm.engine.spec_stats = SpeculationStats()  # count the measured runs only
     walls, outs = [], []
     for _ in range(repeats):
         start = time.perf_counter()

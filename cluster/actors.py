@@ -26,7 +26,7 @@ class ShardWorkerActor:
         self.worker = ShardWorker(config)
         return self.worker.info()
 
-    def execute(self, step_bytes: bytes) -> bytes:
+    def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
         return self.worker.execute(step_bytes)
 
     def num_collectives(self) -> int:

@@ -22,7 +22,6 @@ from warpspec.errors import PlacementError, WorkerDiedError
 from warpspec.workers.comm import CommInit
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
-from warpspec.workers.runner import StepOutput
 from warpspec.workers.worker import WorkerConfig, WorkerInfo
 
 
@@ -148,9 +147,8 @@ class Coordinator:
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
         wall = time.perf_counter() - start
-        outputs = [StepOutput.from_bytes(r) for r in replies]
-        self.timings.append(DispatchTiming(wall, max(o.compute_s for o in outputs)))
-        return replies[0]
+        self.timings.append(DispatchTiming(wall, max(compute_s for compute_s, _ in replies)))
+        return replies[0][1]
 
     def take_timings(self) -> list[DispatchTiming]:
         timings, self.timings = self.timings, []

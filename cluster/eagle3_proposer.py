@@ -92,7 +92,8 @@ class Eagle3Proposer:
         logits, prenorm = self._run(plan, torch.cat(features).to(self.draft.fc.dtype))
         active = [r for r in requests if r.num_drafts]
         for r in requests:
-            r.seq.draft_token_ids, r.seq.draft_probs = [], []
+            r.seq.draft_token_ids, r.seq.draft_probs = [], None
+        probs_of: dict[int, list[torch.Tensor]] = {id(r): [] for r in active}
         position = {id(r): r.first_position + r.num_positions for r in active}
         step = 0
         while active:
@@ -100,7 +101,7 @@ class Eagle3Proposer:
             for i, (r, token) in enumerate(zip(active, tokens, strict=True)):
                 r.seq.draft_token_ids.append(token)
                 if probs is not None:
-                    r.seq.draft_probs.append(probs[i])
+                    probs_of[id(r)].append(probs[i])
             step += 1
             keep = [i for i, r in enumerate(active) if r.num_drafts > step]
             if not keep:
@@ -110,4 +111,5 @@ class Eagle3Proposer:
                     for r in active]
             logits, prenorm = self._run(plan, prenorm[keep])
         for r in requests:
-            r.seq.draft_probs = torch.stack(r.seq.draft_probs) if r.seq.draft_probs else None
+            if probs_of.get(id(r)):
+                r.seq.draft_probs = torch.stack(probs_of[id(r)])

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from warpspec.tokenizer import Tokenizer
-from warpspec.workers.eagle3 import TENSOR_NAMES, Eagle3Config, Eagle3Draft, _rotate_half_rope
+from warpspec.workers.eagle3 import TENSOR_NAMES, Eagle3Config, Eagle3Draft
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
@@ -148,27 +148,16 @@ class DraftTrainer:
 
     def draft_layer(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft over whole sequences with causal attention: tokens [B, L], features [B, L, F]
-        -> draft-vocab logits [B, L, Vd] and pre-norm outputs [B, L, H]."""
+        -> draft-vocab logits [B, L, Vd] and pre-norm outputs [B, L, H]. The same halves the
+        inference path runs; only the attention between them differs (dense causal, no KV cache)."""
         d, c = self.draft, self.draft.config
-        if features.shape[-1] != c.hidden_size:
-            features = F.linear(features, d.fc)
-        batch, length, _ = features.shape
-        x = torch.cat([d._rms(F.embedding(tokens, d.embed_tokens), d.input_layernorm),
-                       d._rms(features, d.hidden_norm)], dim=-1)
-        q = F.linear(x, d.q_proj).view(batch * length, c.num_attention_heads, c.head_dim)
-        k = F.linear(x, d.k_proj).view(batch * length, c.num_key_value_heads, c.head_dim)
-        v = F.linear(x, d.v_proj).view(batch, length, c.num_key_value_heads, c.head_dim)
+        batch, length = tokens.shape
         positions = torch.arange(length).repeat(batch)
-        angles = positions[:, None].float() * d.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        q = _rotate_half_rope(q, angles.cos(), angles.sin()).view(batch, length, -1, c.head_dim)
-        k = _rotate_half_rope(k, angles.cos(), angles.sin()).view(batch, length, -1, c.head_dim)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, enable_gqa=True).transpose(1, 2)
-        hidden = F.linear(attn.reshape(batch, length, -1), d.o_proj) + features
-        normed = d._rms(hidden, d.post_attention_layernorm)
-        prenorm = hidden + F.linear(F.silu(F.linear(normed, d.gate_proj)) * F.linear(normed, d.up_proj), d.down_proj)
-        return F.linear(d._rms(prenorm, d.norm), d.lm_head), prenorm
+        q, k, v, residual = d.before_attention(tokens.reshape(-1), features.reshape(batch * length, -1), positions)
+        q, k, v = (t.view(batch, length, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        logits, prenorm = d.after_attention(attn.reshape(batch * length, -1), residual)
+        return logits.view(batch, length, -1), prenorm.view(batch, length, -1)
 
     def losses(self, batch: list[list[int]]) -> tuple[torch.Tensor, list[float]]:
         """Weighted unrolled loss, and per step the top-1 agreement with the target."""

@@ -35,11 +35,6 @@ class Communicator:
         self.world_size = world_size
         self.num_collectives = 0  # counted so tests can hold the decode path to its budget
 
-    @property
-    def is_driver(self) -> bool:
-        """Rank 0 returns logits; the others return nothing large."""
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns the reduced tensor (possibly x itself, reduced in place)."""
         if self.world_size == 1:
@@ -68,11 +63,13 @@ class Communicator:
     def close(self) -> None:
         pass
 
+    # The base class is the one-rank communicator: all_reduce and gather return before reaching these.
+    # Multi-rank backends implement them.
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no collective for {self.world_size} ranks")
 
     def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} has no collective for {self.world_size} ranks")
 
 
 class GlooCommunicator(Communicator):

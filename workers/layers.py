@@ -21,17 +21,12 @@ from warpspec.workers.errors import CheckpointError
 
 
 class CheckpointTensor:
-    """A tensor in a checkpoint file, read only in the slices asked for (a safetensors slice, or an
-    in-memory tensor for tests and conversions)."""
+    """A tensor in a checkpoint file (a safetensors slice), read only in the slices asked for."""
 
     def __init__(self, source, shape: tuple[int, ...]):
         self.source = source
         self.shape = tuple(shape)
         self.bytes_read = 0
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> CheckpointTensor:
-        return cls(tensor, tuple(tensor.shape))
 
     def read(self, *index: slice) -> torch.Tensor:
         out = self.source[index] if index else self.source[:]

@@ -50,10 +50,11 @@ class ShardWorker:
         return WorkerInfo(self.comm.rank, os.getpid(), self.runner.num_blocks, report.bytes_read,
                           report.param_bytes)
 
-    def execute(self, step_bytes: bytes) -> bytes:
-        """Encoded StepInput -> encoded StepOutput (logits only on rank 0)."""
-        step = StepInput.from_bytes(step_bytes)
-        return self.runner.execute(step).to_bytes()
+    def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
+        """Encoded StepInput -> (compute seconds, encoded StepOutput with logits only on rank 0). The
+        time travels beside the payload so the coordinator need not decode logits to read it."""
+        output = self.runner.execute(StepInput.from_bytes(step_bytes))
+        return output.compute_s, output.to_bytes()
 
     def num_collectives(self) -> int:
         return self.comm.num_collectives
