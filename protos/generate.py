@@ -14,10 +14,13 @@ from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent  # protos/: proto import paths are relative to it
 PROTO_FILES = ["warpspec/v1/generation.proto"]
-# protoc writes `from warpspec.v1 import generation_pb2`, the import path as seen from PROTO_ROOT;
-# installed, protos/ is the package warpspec.protos, so the stubs live under warpspec.protos.warpspec.v1.
-_IMPORT = re.compile(r"^from warpspec\.v1 import ", re.MULTILINE)
-_PACKAGE_IMPORT = "from warpspec.protos.warpspec.v1 import "
+# protoc names modules by the proto's path as seen from PROTO_ROOT (`from warpspec.v1 import
+# generation_pb2`, and messages' __module__ 'warpspec.v1.generation_pb2', which pickling - Ray Serve's
+# proxy pickles every request - must be able to import). Installed, protos/ is the package
+# warpspec.protos, so both must say warpspec.protos.warpspec.v1.
+_FIXES = [(re.compile(r"^from warpspec\.v1 import ", re.MULTILINE), "from warpspec.protos.warpspec.v1 import "),
+          (re.compile(r"(BuildTopDescriptorsAndMessages\(DESCRIPTOR, )'warpspec\.v1\."),
+           r"\1'warpspec.protos.warpspec.v1.")]
 
 
 def generate(out_dir: str | Path) -> list[Path]:
@@ -36,7 +39,10 @@ def generate(out_dir: str | Path) -> list[Path]:
     for proto in PROTO_FILES:
         stem = out / proto[: -len(".proto")]
         for path in (Path(f"{stem}_pb2.py"), Path(f"{stem}_pb2.pyi"), Path(f"{stem}_pb2_grpc.py")):
-            path.write_text(_IMPORT.sub(_PACKAGE_IMPORT, path.read_text()))
+            text = path.read_text()
+            for pattern, replacement in _FIXES:
+                text = pattern.sub(replacement, text)
+            path.write_text(text)
             written.append(path)
     return written
 

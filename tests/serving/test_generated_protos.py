@@ -41,3 +41,13 @@ def test_stubs_import_inside_the_package():
     # proto3 `optional`: an explicit 0 is distinguishable from unset.
     assert request.params.HasField("temperature") and not request.params.HasField("top_p")
     assert request.WhichOneof("prompt_input") == "prompt"
+
+
+def test_messages_pickle():
+    """Serve's gRPC proxy pickles each request to the replica: the messages' module must import."""
+    import pickle
+
+    from warpspec.protos.warpspec.v1 import generation_pb2
+
+    request = generation_pb2.GenerateRequest(prompt="hi", request_id="r")
+    assert pickle.loads(pickle.dumps(request)) == request

@@ -1,0 +1,62 @@
+"""The Serve application builder: `warpspec.serving.app:build_app` in a Serve config file
+(`serve run` / `serve deploy`, KubeRay's serveConfigV2) or via `warpspec serve`.
+
+The gRPC servicers are cluster-wide Serve settings, not per application: the config file's
+`grpc_options` must list serve_config.GRPC_SERVICER_FUNCTIONS, e.g.
+
+    grpc_options:
+      port: 9000
+      grpc_servicer_functions:
+        - warpspec.protos.warpspec.v1.generation_pb2_grpc.add_GenerationServicer_to_server
+        - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
+    applications:
+      - name: warpspec
+        route_prefix: /
+        import_path: warpspec.serving.app:build_app
+        args: {model: /models/maverick, draft: /models/maverick-eagle3, num_workers: 8}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from warpspec.serving.deployment import WarpspecServer
+from warpspec.serving.serve_config import ServeConfig
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Build the warpspec Serve application from flat args (strings are converted, so
+    `serve run warpspec.serving.app:build_app model=/m num_workers=2` works too).
+
+    Model and engine:
+        model (required): the target checkpoint folder, readable on every node that hosts a replica.
+        model_name: the name clients use (OpenAI `model`); default the folder's name.
+        draft: an EAGLE-3 draft folder (speculative decoding); num_speculative_tokens: k (3).
+        num_workers: ranks the model is sharded over, one GPU each (1); executor: "auto" (in the replica
+            process for 1 worker, Ray actors otherwise) or "ray" (always a coordinator + worker actors).
+        dtype ("auto"), max_model_len (the checkpoint's), device ("cpu"; "cuda" on GPU nodes),
+        kv_cache_memory_gib (1.0 per worker) or num_kv_blocks, block_size (16), max_num_seqs (256),
+        max_num_batched_tokens (2048), max_waiting_requests (1024: beyond it RESOURCE_EXHAUSTED / 429),
+        enable_prefix_caching (true), compile_draft (true), seed (0), run_dir ("runs").
+
+    Replicas (Ray Serve):
+        min_replicas (1), max_replicas (1), initial_replicas (min_replicas), target_ongoing_requests (8):
+            the autoscaling_config; upscale_delay_s (10), downscale_delay_s (60).
+        max_ongoing_requests (64): per replica, beyond it Serve queues the request.
+        num_cpus (1), num_gpus (0): the replica actor's own resources (it runs the model itself when
+            num_workers is 1 and executor is "auto"; Ray workers take theirs through a placement group).
+        warmup (true): run one short request before the replica takes traffic.
+        health_check_period_s (10).
+    """
+    config = ServeConfig.from_args(dict(args))
+    deployment = WarpspecServer.options(
+        autoscaling_config=config.autoscaling_config,
+        max_ongoing_requests=config.max_ongoing_requests,
+        health_check_period_s=config.health_check_period_s,
+        # Loading weights (and compiling a draft) takes a while on a big model.
+        graceful_shutdown_timeout_s=30,
+        ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+    )
+    return deployment.bind(config.model, config.engine, config.model_name, config.warmup)

@@ -1,0 +1,126 @@
+"""The Ray Serve deployment: one replica = one AsyncLLM (and, with num_workers > 1 or executor="ray",
+its coordinator actor and N worker actors in the replica's own placement group).
+
+Two ingresses reach it:
+- gRPC, through Serve's gRPC proxy: the proxy registers the servicers named in
+  serve_config.GRPC_SERVICER_FUNCTIONS and routes `/<package.Service>/<Method>` to the replica method
+  of the same name (Generate, GenerateStream, Tokenize, GetModelInfo, and Check for grpc.health.v1).
+  A method sets its status on Serve's `grpc_context`; a unary one then returns an empty message, a
+  streaming one raises (Serve keeps a user-set code and details; the proxy logs the exception).
+- HTTP: the OpenAI app of openai_api.py, built per replica by `__serve_build_asgi_app__` (so its
+  routes close over this replica's engine rather than a pickled copy).
+
+Serve calls `check_health` every health_check_period_s; it fails once a step failed fatally (a dead
+worker), and Serve then replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from grpc_health.v1 import health_pb2
+from ray import serve
+
+from warpspec.async_llm import AsyncLLM
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.sampling_params import SamplingParams
+from warpspec.serving.grpc_service import GenerationService
+from warpspec.serving.metrics import EngineStats, ServingMetrics
+from warpspec.serving.openai_api import build_openai_app
+from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.wire_errors import wire_error
+
+logger = logging.getLogger("warpspec.serving")
+
+STATS_PERIOD_S = 1.0  # how often the replica's gauges (queue, running, KV usage) are sampled
+
+
+class GrpcStatusError(Exception):
+    """Raised after the status is set on grpc_context; only its message reaches the client."""
+
+
+def _set_status(grpc_context, error: BaseException) -> str:
+    wire = wire_error(error)
+    if grpc_context is not None:
+        grpc_context.set_code(wire.grpc_code)
+        grpc_context.set_details(wire.message)
+    return wire.message
+
+
+@serve.deployment(name="WarpspecServer")
+@serve.ingress()
+class WarpspecServer:
+    async def __init__(self, model: str, engine_options: dict, model_name: str | None = None, warmup: bool = True):
+        llm = AsyncLLM.from_options(model, **engine_options)
+        metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
+        self.engine = ReplicaEngine(llm, model_name, metrics)
+        self.service = GenerationService(self.engine)
+        if warmup:
+            await self._warm_up()
+        self.stats_task = asyncio.get_running_loop().create_task(self._sample_stats(metrics))
+
+    async def _warm_up(self) -> None:
+        """One 2-token greedy request: the first step builds attention metadata paths and, with a draft,
+        compiles it; the replica counts as started (and gets traffic) only after this."""
+        async for _ in self.engine.llm.generate([0, 1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                                                request_id="warmup"):
+            pass
+
+    async def _sample_stats(self, metrics: ServingMetrics) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a gauge failing to export must not stop serving
+                metrics.record_stats(self.engine.stats())
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    def __serve_build_asgi_app__(self):
+        return build_openai_app(self.engine)
+
+    # ---- gRPC: warpspec.v1.Generation ----------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802
+        try:
+            return await self.service.generate(request)
+        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+            _set_status(grpc_context, e)
+            return pb.GenerateResponse(request_id=request.request_id)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):  # noqa: N802
+        try:
+            async for response in self.service.generate_stream(request):
+                yield response
+        except Exception as e:  # noqa: BLE001
+            raise GrpcStatusError(_set_status(grpc_context, e)) from None
+
+    async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
+        try:
+            return self.service.tokenize(request)
+        except Exception as e:  # noqa: BLE001
+            _set_status(grpc_context, e)
+            return pb.TokenizeResponse()
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
+        return self.service.model_info(request)
+
+    # ---- gRPC: grpc.health.v1.Health -------------------------------------------------------------
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802
+                    grpc_context=None) -> health_pb2.HealthCheckResponse:
+        try:
+            return self.service.health_check(request)
+        except Exception as e:  # noqa: BLE001
+            _set_status(grpc_context, e)
+            return health_pb2.HealthCheckResponse()
+
+    # ---- Serve hooks and admin -------------------------------------------------------------------
+
+    async def check_health(self) -> None:
+        self.engine.check_health()
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def __del__(self):
+        self.stats_task.cancel()
+        await self.engine.shutdown()

@@ -1,0 +1,64 @@
+"""The warpspec.v1.Generation RPCs and the grpc.health.v1 Check, over a ReplicaEngine.
+
+Transport-neutral: each method takes the request message and returns (or yields) the response;
+errors propagate as exceptions and `status_for` turns them into a gRPC status. The Serve deployment
+(deployment.py) calls these from methods named like the RPCs, which is how Serve's gRPC proxy
+routes: `/warpspec.v1.Generation/Generate` -> the deployment's `Generate` method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from grpc_health.v1 import health_pb2
+
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.request_mapping import reject_unknown_fields, request_from_proto, response_from_output
+from warpspec.serving.wire_errors import NotFoundError
+
+# The names a health client may ask about: "" (the whole server) and the generation service.
+HEALTH_SERVICE_NAMES = ("", pb.DESCRIPTOR.services_by_name["Generation"].full_name)
+
+
+class GenerationService:
+    def __init__(self, engine: ReplicaEngine):
+        self.engine = engine
+
+    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+        prompt, params = request_from_proto(request, self.engine.description.max_model_len)
+        final = None
+        async for out in self.engine.stream(prompt, params, request.request_id or None):
+            final = out
+        return response_from_output(final, streaming=False)
+
+    async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """One message per engine step that added text or tokens, the final one with usage. A client
+        that cancels closes this generator, which aborts the request (AsyncLLM frees its KV)."""
+        prompt, params = request_from_proto(request, self.engine.description.max_model_len)
+        async for out in self.engine.stream(prompt, params, request.request_id or None):
+            if out.new_token_ids or out.new_text or out.finished:
+                yield response_from_output(out, streaming=True)
+
+    def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        reject_unknown_fields(request, "TokenizeRequest")
+        ids, tokens = self.engine.tokenize(request.text)
+        return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+    def model_info(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        d = self.engine.description
+        return pb.ModelInfo(model=d.name, model_path=d.path, max_model_len=d.max_model_len,
+                            num_workers=d.num_workers, draft=d.draft or "",
+                            num_speculative_tokens=d.num_speculative_tokens if d.draft else 0,
+                            vocab_size=d.vocab_size, dtype=d.dtype)
+
+    def health_check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
+        """SERVING once the model is loaded (a replica only takes traffic after its constructor, which
+        loads it), NOT_SERVING after a fatal engine failure; NOT_FOUND for a service name not served
+        here, as the standard servicer answers."""
+        if request.service not in HEALTH_SERVICE_NAMES:
+            raise NotFoundError(f"service {request.service!r} is not served here; "
+                                      f"known: {', '.join(repr(n) for n in HEALTH_SERVICE_NAMES)}")
+        status = health_pb2.HealthCheckResponse.SERVING if self.engine.failure is None \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)

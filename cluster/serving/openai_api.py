@@ -1,0 +1,125 @@
+"""The OpenAI-compatible HTTP API of one replica, as a FastAPI app over a ReplicaEngine.
+
+    POST /v1/completions        POST /v1/chat/completions      (stream: server-sent events)
+    GET  /v1/models             GET  /health                   GET /admin/stats (KV blocks, queue)
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with 400 for bad
+input (invalid JSON included), 404 for an unknown model, 429 when the replica's queue is full, 503
+when it cannot serve. A client that disconnects mid-stream aborts its request (Serve cancels the
+replica's handler, which closes the engine stream and frees the KV blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from warpspec.sampling_params import InvalidRequestError
+from warpspec.serving.chat_template import ChatTemplate
+from warpspec.serving.openai_protocol import ResponseBuilder, chat_request, completion_request, requested_model
+from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.wire_errors import NotFoundError, wire_error
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    wire = wire_error(error)
+    return JSONResponse({"error": {"message": wire.message, "type": wire.openai_type, "param": None,
+                                   "code": wire.http_status}}, status_code=wire.http_status)
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None = None) -> FastAPI:
+    app = FastAPI(title="warpspec", description="OpenAI-compatible API of a warpspec replica")
+    template = chat_template or ChatTemplate.from_dir(engine.description.path, engine.tokenizer)
+    model_name = engine.description.name
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        name = requested_model(body)
+        if name != model_name:
+            raise NotFoundError(f"model {name!r} is not served here; this deployment serves {model_name!r}")
+        return body
+
+    async def run(body: dict, prompt, params, chat: bool):
+        builder = ResponseBuilder(model_name, chat)
+        stream = engine.stream(prompt, params)
+        if not body.get("stream"):
+            final = None
+            async for out in stream:
+                final = out
+            return JSONResponse(builder.final(final))
+        # Start the request before answering 200, so that queue-full and engine errors get a status.
+        first = await anext(stream)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events() -> AsyncIterator[str]:
+            out = first
+            try:
+                while True:
+                    if out.new_text or out.new_token_ids or out.finished:
+                        yield _sse(builder.chunk(out))
+                    if out.finished:
+                        break
+                    out = await anext(stream)
+                if include_usage:
+                    yield _sse(builder.usage_chunk(out))
+                yield _sse("[DONE]")
+            except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+                wire = wire_error(e)
+                yield _sse({"error": {"message": wire.message, "type": wire.openai_type, "code": wire.http_status}})
+            finally:
+                await stream.aclose()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            body = await read_body(request)
+            prompt, params = completion_request(body, engine.description.max_model_len)
+            return await run(body, prompt, params, chat=False)
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            return error_response(e)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = await read_body(request)
+            messages, params = chat_request(body, engine.description.max_model_len)
+            return await run(body, template.render(messages), params, chat=True)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+
+    @app.get("/v1/models")
+    async def models():
+        d = engine.description
+        return {"object": "list", "data": [{"id": d.name, "object": "model", "created": 0, "owned_by": "warpspec",
+                                            "max_model_len": d.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            engine.check_health()
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return {"status": "ok"}
+
+    @app.get("/admin/stats")
+    async def stats():
+        snapshot = engine.stats()
+        return {**dataclasses.asdict(snapshot), "kv_cache_usage": snapshot.kv_cache_usage}
+
+    return app

@@ -1,0 +1,88 @@
+"""`warpspec serve`: run the application on the Ray cluster named by RAY_ADDRESS, or on a local one,
+with Serve's gRPC proxy (warpspec.v1.Generation + grpc.health.v1.Health, with reflection) and HTTP
+proxy (the OpenAI API), until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import threading
+from typing import Any
+
+from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTIONS
+
+
+def start_serving(args: dict[str, Any], grpc_port: int = 9000, http_port: int = 8000, host: str = "0.0.0.0",
+                  app_name: str = DEFAULT_APP_NAME) -> None:
+    """Start Serve's proxies on this Ray cluster (ray.init must have run) and deploy the app; returns
+    once every replica has loaded its model and warmed up."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from warpspec.serving.app import build_app
+
+    serve.start(http_options=HTTPOptions(host=host, port=http_port),
+                grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+    serve.run(build_app(args), name=app_name, route_prefix="/")
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="serve a checkpoint over gRPC and OpenAI HTTP on Ray Serve")
+    serve.add_argument("--model", required=True, help="target checkpoint folder")
+    serve.add_argument("--model-name", help="name clients use (default: the folder's name)")
+    serve.add_argument("--draft", help="EAGLE-3 draft folder (speculative decoding)")
+    serve.add_argument("--num-speculative-tokens", type=int, default=3)
+    serve.add_argument("--workers", type=int, default=1, help="ranks per replica, one GPU each")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--max-model-len", type=int)
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--grpc-port", type=int, default=9000)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--host", default="0.0.0.0", help="HTTP bind address (gRPC binds all addresses)")
+    serve.add_argument("--min-replicas", type=int, default=1)
+    serve.add_argument("--max-replicas", type=int, default=1)
+    serve.add_argument("--target-ongoing-requests", type=float, default=8.0)
+    serve.add_argument("--max-waiting-requests", type=int, default=1024)
+    serve.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
+                       help="any other build_app arg (repeatable), e.g. --arg kv_cache_memory_gib=4")
+    serve.set_defaults(func=run_serve_command)
+
+
+def run_serve_command(ns: argparse.Namespace) -> None:
+    import ray
+
+    from warpspec.ray_env import connect_ray
+
+    args: dict[str, Any] = {"model": ns.model, "model_name": ns.model_name, "draft": ns.draft,
+                            "num_speculative_tokens": ns.num_speculative_tokens, "num_workers": ns.workers,
+                            "dtype": ns.dtype, "max_model_len": ns.max_model_len, "device": ns.device,
+                            "min_replicas": ns.min_replicas, "max_replicas": ns.max_replicas,
+                            "target_ongoing_requests": ns.target_ongoing_requests,
+                            "max_waiting_requests": ns.max_waiting_requests}
+    for item in ns.arg:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--arg takes NAME=VALUE, got {item!r}")
+        args[name] = value
+    args = {k: v for k, v in args.items() if v is not None}
+    from warpspec.serving.serve_config import ServeConfig
+
+    ServeConfig.from_args(args)  # refuse bad args before any cluster is touched
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    connect_ray(args.get("run_dir", "runs"))
+    try:
+        start_serving(args, grpc_port=ns.grpc_port, http_port=ns.http_port, host=ns.host)
+        print(f"warpspec: serving {ns.model}: gRPC on port {ns.grpc_port}, OpenAI HTTP on "
+              f"http://{ns.host}:{ns.http_port}/v1 (Ctrl-C stops)", flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        with contextlib.suppress(KeyboardInterrupt):
+            stop.wait()
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        if not os.environ.get("RAY_ADDRESS"):
+            ray.shutdown()

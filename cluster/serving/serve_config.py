@@ -1,0 +1,105 @@
+"""ServeConfig: the Ray Serve settings of a warpspec deployment, kept apart from the engine's own
+settings (which it carries through to AsyncLLM unchanged), and read from the flat `args` of a Serve
+config file or `warpspec serve`.
+
+Values may arrive as strings (`serve run warpspec.serving.app:build_app model=/m num_workers=2`), so
+each is converted to its declared type; an unknown name or a bad value is refused naming the arg.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+GRPC_SERVICER_FUNCTIONS = [
+    "warpspec.protos.warpspec.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    # The standard health service, answered by the replica's Check method (Kubernetes gRPC probes).
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+DEFAULT_APP_NAME = "warpspec"
+
+# Engine arg -> (type, default); passed to AsyncLLM.from_options when not None.
+ENGINE_ARGS: dict[str, tuple[type, Any]] = {
+    "draft": (str, None), "num_workers": (int, 1), "num_speculative_tokens": (int, 3), "dtype": (str, "auto"),
+    "max_model_len": (int, None), "executor": (str, "auto"), "device": (str, "cpu"),
+    "kv_cache_memory_gib": (float, 1.0), "num_kv_blocks": (int, None), "block_size": (int, 16),
+    "max_num_seqs": (int, 256), "max_num_batched_tokens": (int, 2048), "max_waiting_requests": (int, 1024),
+    "enable_prefix_caching": (bool, True), "compile_draft": (bool, True), "seed": (int, 0), "run_dir": (str, "runs"),
+}
+
+
+@dataclass
+class ServeConfig:
+    model: str
+    model_name: str | None = None  # the OpenAI `model` name; default: the checkpoint folder's name
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    # Autoscaling keeps each replica's ongoing requests near this; max_ongoing_requests caps them
+    # (beyond it Serve queues at the proxy, then answers RESOURCE_EXHAUSTED / 503).
+    target_ongoing_requests: float = 8.0
+    max_ongoing_requests: int = 64
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 60.0
+    num_cpus: float = 1.0  # the replica actor itself (with num_workers=1 and executor=auto it runs the model)
+    num_gpus: float = 0.0  # likewise; Ray workers take their own GPUs through the placement group
+    warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
+    health_check_period_s: float = 10.0
+    engine: dict[str, Any] = field(default_factory=dict)  # AsyncLLM.from_options keyword arguments
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model is required: a checkpoint folder")
+        if self.min_replicas < 0 or self.max_replicas < 1 or self.min_replicas > self.max_replicas:
+            raise ValueError(f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
+                             f"min_replicas={self.min_replicas} max_replicas={self.max_replicas}")
+        if self.target_ongoing_requests <= 0 or self.max_ongoing_requests < 1:
+            raise ValueError(f"target_ongoing_requests must be > 0 and max_ongoing_requests >= 1, got "
+                             f"{self.target_ongoing_requests} and {self.max_ongoing_requests}")
+
+    @property
+    def autoscaling_config(self) -> dict[str, Any]:
+        config = {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                  "target_ongoing_requests": self.target_ongoing_requests,
+                  "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+        if self.initial_replicas is not None:
+            config["initial_replicas"] = self.initial_replicas
+        return config
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> ServeConfig:
+        own = {f.name: f for f in fields(cls) if f.name != "engine"}
+        values: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
+        for name, raw in args.items():
+            if name in ENGINE_ARGS:
+                value = _convert(name, raw, ENGINE_ARGS[name][0])
+                if value is not None:
+                    engine[name] = value
+            elif name in own:
+                kind = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float,
+                        "bool": bool}[str(own[name].type)]
+                values[name] = _convert(name, raw, kind)
+            else:
+                known = sorted(set(own) | set(ENGINE_ARGS))
+                raise ValueError(f"unknown arg {name!r}; known args: {', '.join(known)}")
+        return cls(**values, engine=engine)
+
+
+def _convert(name: str, raw: Any, kind: type) -> Any:
+    if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "null")):
+        return None
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in ("1", "true", "yes", "on"):
+            return True
+        if str(raw).lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be a boolean, got {raw!r}")
+    try:
+        if kind is int and isinstance(raw, float) and not raw.is_integer():
+            raise ValueError
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {kind.__name__}, got {raw!r}") from None
