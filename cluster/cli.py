@@ -53,6 +53,17 @@ def _train_draft(args: argparse.Namespace) -> None:
     print(f"wrote the draft to {args.out}")
 
 
+def _train_target(args: argparse.Namespace) -> None:
+    from warpspec.training.target_trainer import TargetTrainConfig, TargetTrainer
+
+    options = {name: getattr(args, name) for name in ("work_dir", "seq_len", "batch_size", "steps", "lr", "seed")}
+    if args.corpus:
+        options["corpus"] = args.corpus
+    report = TargetTrainer(TargetTrainConfig(out=args.out, **options)).train()
+    print(f"wrote the target to {args.out}: {report['steps']} steps, {report['train_seconds']:.0f} s, "
+          f"validation perplexity {report['val_perplexity']:.2f}")
+
+
 BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch", "throughput": "warpspec.benchmarks.throughput",
               "spec": "warpspec.benchmarks.spec"}
 
@@ -107,11 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(func=_train_draft)
 
+    target = commands.add_parser("train-target", help="train the bundled Llama 4 MoE target on Debian's "
+                                                      "documentation (resumes from --work-dir)")
+    target.add_argument("--out", required=True, help="where to write the Hugging Face checkpoint (bf16)")
+    target.add_argument("--work-dir", default="runs/train-target", help="token cache and resumable state")
+    target.add_argument("--corpus", action="append", help="a folder of .txt documents (repeatable; default: "
+                                                          "the linux-doc-6.1 and python3.11-doc sources)")
+    target.add_argument("--steps", type=int, default=3000)
+    target.add_argument("--seq-len", type=int, default=256)
+    target.add_argument("--batch-size", type=int, default=16)
+    target.add_argument("--lr", type=float, default=3e-3)
+    target.add_argument("--seed", type=int, default=0)
+    target.set_defaults(func=_train_target)
+
     bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput, spec); "
                                               "`warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)
+
+    # Serving (issue 7): each command lives in its own module.
+    from warpspec.client import add_client_parser
+    from warpspec.serving.serve_cli import add_serve_parser
+
+    add_serve_parser(commands)
+    add_client_parser(commands)
     return parser
 
 

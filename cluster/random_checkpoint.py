@@ -7,13 +7,12 @@ import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
+from warpspec.training.bpe import train_bpe
 from warpspec.workers.checkpoint_writer import save_checkpoint
 from warpspec.workers.llama4 import Llama4ForCausalLM
 from warpspec.workers.model_config import ModelConfig
-
-SPECIAL_TOKENS = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>"]  # ids 0, 1, 2
 
 # Named shapes: MoE on every other layer, layer 3 NoPE, GQA 4:1, chunked attention.
 PRESETS: dict[str, dict] = {
@@ -31,16 +30,7 @@ PRESETS: dict[str, dict] = {
 def train_demo_tokenizer(vocab_size: int) -> Tokenizer:
     """Byte-level BPE trained on the Python standard library's own sources (always on disk)."""
     stdlib = Path(sys.modules["os"].__file__).parent
-    texts = [p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[:60]]
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 1)])
-    return tokenizer
+    return train_bpe([p.read_text(errors="ignore") for p in sorted(stdlib.glob("*.py"))[:60]], vocab_size)
 
 
 def create_random_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0,

@@ -47,5 +47,5 @@ def moe_experts(
             outputs.append((F.silu(gate) * up) @ down_proj[expert])
     out = torch.zeros_like(x)
     if outputs:
-        out.index_add_(0, tokens, torch.cat(outputs))
+        out.index_add_(0, tokens, torch.cat(outputs).to(x.dtype))  # bf16 under autocast in training
     return out

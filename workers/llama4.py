@@ -83,6 +83,16 @@ class Llama4Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, step: StepInput,
                 freqs_cis: torch.Tensor, attn_meta: PagedAttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project_qkv(positions, hidden, freqs_cis)
+        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        write_kv_cache(k, v, key_cache, value_cache, step.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, attn_meta, self.scale, self.chunk_size)
+        return self.o_proj(out.reshape(hidden.shape[0], -1))
+
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
+                    freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, hidden] -> q [num_tokens, heads, head_dim], k and v [num_tokens,
+        kv_heads, head_dim], positional treatment applied (shared by serving and training)."""
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
@@ -97,10 +107,7 @@ class Llama4Attention(nn.Module):
             # Longer contexts sharpen NoPE attention: q *= 1 + attn_scale * log1p(floor((p+1) / floor_scale)).
             scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
-        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        write_kv_cache(k, v, key_cache, value_cache, step.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, attn_meta, self.scale, self.chunk_size)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        return q, k, v
 
 
 class Llama4MLP(nn.Module):
