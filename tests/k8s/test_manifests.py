@@ -9,7 +9,15 @@ import copy
 import fnmatch
 import importlib
 import importlib.util
+import json
+import os
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -300,3 +308,40 @@ def test_image_matches_dockerfile_and_dockerignore_keeps_the_package():
     for path in needed:
         hits = [p for p in patterns if fnmatch.fnmatch(path, p.rstrip("/"))]
         assert not hits, f".dockerignore excludes {path} (pattern {hits[0]}), which `pip install .` needs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_config_file_deploys_and_answers_grpc_health_and_http(tmp_path):
+    # deploy/serve_config.yaml as `serve deploy` runs it (the controller builds import_path with args),
+    # on a tiny random checkpoint: what the k8s probes and clients rely on, minus the GPUs.
+    if importlib.util.find_spec("warpspec.serving.app") is None:
+        pytest.skip("warpspec.serving.app (the Serve application builder) does not exist yet")
+    from warpspec.random_checkpoint import create_random_checkpoint
+
+    model = create_random_checkpoint(tmp_path / "tiny", "tiny")
+    temp_dir = tempfile.mkdtemp(prefix="ws-k8s-")  # Ray's unix sockets need a short path
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
+    command = [sys.executable, str(Path(__file__).with_name("deploy_config.py")), str(SERVE_CONFIG), str(model),
+               str(free_port()), str(free_port()), temp_dir]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=360)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child and the Ray processes it started
+        out, err = proc.communicate()
+        pytest.fail(f"deploying {SERVE_CONFIG.name} took over 6 minutes: {err[-3000:]}")
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["status"] == "RUNNING", f"{SERVE_CONFIG.name} failed to deploy: {report['message'][-2000:]}"
+    assert report["health"] == "SERVING"
+    assert report["num_generated"] >= 1
+    assert report["models"] == ["tiny"]  # the checkpoint folder's name
