@@ -28,6 +28,7 @@ class EngineStats:
     num_in_flight: int  # open request streams
     prefix_cache_hit_rate: float  # over all prompt tokens admitted so far
     acceptance_length: float  # engine-wide mean; 0 without speculation
+    num_aborted: int  # requests whose client cancelled or disconnected mid-way
     is_healthy: bool
 
     @property

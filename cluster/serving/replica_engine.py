@@ -44,6 +44,7 @@ class ReplicaEngine:
         # Set when a step failed for reasons other than load (a dead worker): the replica cannot serve
         # and its health check fails, so Serve replaces it.
         self.failure: str | None = None
+        self.num_aborted = 0  # requests whose client went away before they finished
 
     @property
     def tokenizer(self):
@@ -58,17 +59,26 @@ class ReplicaEngine:
             raise EngineError(f"this replica cannot serve: {self.failure}")
         client_id = request_id or uuid.uuid4().hex
         engine_id = f"{client_id}#{uuid.uuid4().hex[:12]}"
+        finished = False
         try:
             async for out in self.llm.generate(prompt, params, request_id=engine_id):
                 out.request_id = client_id
-                if out.finished and self.metrics is not None:
-                    self.metrics.record_finished(out)
-                    self.metrics.record_stats(self.stats())
+                if out.finished:
+                    finished = True
+                    if self.metrics is not None:
+                        self.metrics.record_finished(out)
+                        self.metrics.record_stats(self.stats())
                 yield out
-        except EngineError as e:
-            if not isinstance(e, EngineOverloadedError):
+        except Exception as e:
+            finished = True  # refused or failed, not abandoned
+            if isinstance(e, EngineError) and not isinstance(e, EngineOverloadedError):
                 self.failure = str(e).splitlines()[0]
             raise
+        finally:
+            # Closed early (client cancel, deadline, disconnect: CancelledError or GeneratorExit here):
+            # AsyncLLM has aborted the request and frees its KV blocks before the next step.
+            if not finished:
+                self.num_aborted += 1
 
     def tokenize(self, text: str) -> tuple[list[int], list[str]]:
         if self.tokenizer is None:
@@ -85,7 +95,8 @@ class ReplicaEngine:
             num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
             num_running=len(engine.scheduler.running), num_waiting=engine.num_waiting + len(self.llm.pending_adds),
             num_in_flight=len(self.llm.streams), prefix_cache_hit_rate=blocks.stats.hit_rate,
-            acceptance_length=engine.spec_stats.acceptance_length, is_healthy=self.failure is None)
+            acceptance_length=engine.spec_stats.acceptance_length, num_aborted=self.num_aborted,
+            is_healthy=self.failure is None)
 
     def check_health(self) -> None:
         """Raises when the replica cannot serve (Serve's health check, the gRPC health service)."""

@@ -1,0 +1,81 @@
+"""One serving stack for every test under tests/serving: `warpspec serve`'s own start function on the
+shared local Ray cluster, a tiny random checkpoint, one replica running the model in its own process.
+Tests talk to it only over the network (gRPC on the Serve gRPC proxy, HTTP on the Serve HTTP proxy).
+Serve is shut down at the end; the Ray cluster belongs to the ray_cluster fixture."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from warpspec.random_checkpoint import create_random_checkpoint
+
+MODEL_NAME = "tiny"
+# Small enough for 2 cores, long enough that a 400-token request outlives a 0.2 s deadline.
+ENGINE_ARGS = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 64, "max_waiting_requests": 64}
+
+
+@dataclass
+class Stack:
+    grpc_target: str  # host:port of Serve's gRPC proxy
+    http_base: str  # http://host:port of Serve's HTTP proxy
+    model_path: Path
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"{self.http_base}/admin/stats", timeout=10) as reply:
+            return json.loads(reply.read())
+
+    def wait_idle(self, timeout_s: float = 10.0) -> dict:
+        """Stats once no request is in flight and every KV block is free again (none leaked)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            idle = stats["num_in_flight"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            if idle and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]:
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the replica did not return to idle with all KV blocks free: {stats}")
+            time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serving_checkpoint(tmp_path_factory) -> Path:
+    return create_random_checkpoint(tmp_path_factory.mktemp("serving") / "tiny", "tiny", std=0.3)
+
+
+@pytest.fixture(scope="session")
+def serving_stack(ray_cluster, serving_checkpoint):
+    from ray import serve
+
+    from warpspec.serving.serve_cli import start_serving
+
+    grpc_port, http_port = _free_port(), _free_port()
+    args = {"model": str(serving_checkpoint), "model_name": MODEL_NAME, **ENGINE_ARGS}
+    start_serving(args, grpc_port=grpc_port, http_port=http_port, host="127.0.0.1")
+    try:
+        yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", serving_checkpoint)
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="session")
+def reference_llm(serving_checkpoint):
+    """The in-process engine on the same checkpoint and settings: what the network must reproduce."""
+    from warpspec.llm import LLM
+
+    llm = LLM(str(serving_checkpoint), dtype=ENGINE_ARGS["dtype"], max_model_len=ENGINE_ARGS["max_model_len"],
+              num_kv_blocks=ENGINE_ARGS["num_kv_blocks"])
+    yield llm
+    llm.shutdown()

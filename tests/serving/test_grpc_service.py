@@ -1,0 +1,154 @@
+"""The gRPC API end to end, through Serve's gRPC proxy, with the generated stubs and the standard
+health client; every bad input gets its status, and the replica neither leaks KV nor stops serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+from warpspec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def main():"
+
+
+@pytest.fixture(scope="module")
+def channel(serving_stack):
+    with grpc.insecure_channel(serving_stack.grpc_target) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return pb_grpc.GenerationStub(channel)
+
+
+def _request(prompt=PROMPT, **params) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, params=pb.SamplingParams(**params), request_id="req-1")
+
+
+def test_greedy_unary_and_stream_match_in_process_llm(stub, reference_llm):
+    expected = reference_llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.0))[0]
+
+    reply = stub.Generate(_request(max_tokens=16, temperature=0.0), timeout=30)
+    assert reply.request_id == "req-1"  # echoed
+    assert list(reply.token_ids) == expected.token_ids
+    assert reply.text == expected.text
+    assert reply.finish_reason == expected.finish_reason
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert reply.usage.completion_tokens == 16
+
+    deltas = list(stub.GenerateStream(_request(max_tokens=16, temperature=0.0), timeout=30))
+    assert len(deltas) > 1  # one message per step, not one at the end
+    assert all(d.request_id == "req-1" for d in deltas)
+    assert "".join(d.text for d in deltas) == expected.text
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert deltas[-1].finish_reason == expected.finish_reason and deltas[-1].usage.completion_tokens == 16
+    assert not any(d.finish_reason for d in deltas[:-1])
+
+
+def test_token_id_prompt_and_logprobs(stub, reference_llm):
+    ids = reference_llm.tokenizer.encode(PROMPT)
+    reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids),
+                                             params=pb.SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)),
+                          timeout=30)
+    expected = reference_llm.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, logprobs=2))[0]
+    assert list(reply.token_ids) == expected.token_ids
+    assert len(reply.logprobs) == 4
+    for position, token in zip(reply.logprobs, expected.token_ids, strict=True):
+        assert position.entries[0].token_id == token  # the chosen token comes first
+        assert position.entries[0].rank == 1  # greedy picks the most likely
+
+
+def test_tokenize_and_model_info(stub, reference_llm, serving_stack):
+    reply = stub.Tokenize(pb.TokenizeRequest(text="hello world"), timeout=10)
+    assert list(reply.token_ids) == reference_llm.tokenizer.encode("hello world")
+    assert len(reply.tokens) == len(reply.token_ids)
+
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.model, info.max_model_len, info.num_workers, info.draft) == ("tiny", 512, 1, "")
+    assert info.model_path == str(serving_stack.model_path) and info.vocab_size == 512
+
+
+def test_standard_health_service(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    service = health_pb2.HealthCheckRequest(service="warpspec.v1.Generation")
+    assert health.Check(service, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as error:
+        health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateRequest(), "needs a prompt"),
+    (pb.GenerateRequest(prompt=""), "prompt is empty"),  # a oneof member set to "" is still set
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds()), "prompt_token_ids is empty"),
+    (_request(max_tokens=-5), "params.max_tokens must be >= 1"),
+    (_request(max_tokens=0), "params.max_tokens must be >= 1"),
+    (_request(max_tokens=100_000), "max_tokens must be at most max_model_len 512"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 600)), "600 tokens; max_model_len 512"),
+    (pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 10_000])), "outside the vocabulary"),
+    (_request(temperature=-1.0), "params.temperature must be >= 0"),
+    (_request(top_p=1.5), "params.top_p must be in (0, 1]"),
+    (_request(logprobs=50), "params.logprobs must be at most 20"),
+])
+def test_bad_requests_are_invalid_argument(stub, request_, field):
+    for call in (lambda: stub.Generate(request_, timeout=10), lambda: list(stub.GenerateStream(request_, timeout=10))):
+        with pytest.raises(grpc.RpcError) as error:
+            call()
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in error.value.details()
+        assert "Traceback" not in error.value.details()
+
+
+def test_unknown_fields_are_refused(channel):
+    # A client built from a newer proto: field 99 of GenerateRequest, sent as raw bytes.
+    raw = _request(max_tokens=2).SerializeToString() + b"\x98\x06\x01"
+    call = channel.unary_unary("/warpspec.v1.Generation/Generate", request_serializer=lambda b: b,
+                               response_deserializer=pb.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as error:
+        call(raw, timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "numbers [99]" in error.value.details()
+
+
+def test_deadlines_and_cancellation_free_the_kv_cache(stub, serving_stack):
+    before = serving_stack.wait_idle()["num_aborted"]
+    long = _request(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    # 1 ms: over before (or just after) the replica sees it.
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Generate(long, timeout=0.001)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    # A deadline that expires mid-stream: the replica aborts the request.
+    with pytest.raises(grpc.RpcError) as error:
+        for _ in stub.GenerateStream(long, timeout=0.3):
+            pass
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    # The client cancels after a few messages.
+    stream = stub.GenerateStream(long, timeout=30)
+    for _, _message in zip(range(3), stream, strict=False):
+        pass
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as error:
+        next(stream)
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+
+    stats = serving_stack.wait_idle()  # asserts every KV block is free again
+    assert stats["num_aborted"] >= before + 2  # the mid-stream deadline and the cancel
+    assert stats["is_healthy"]
+    # And the replica still serves.
+    assert stub.Generate(_request(max_tokens=3, temperature=0.0), timeout=30).usage.completion_tokens == 3
+
+
+def test_concurrent_streams_reusing_one_request_id(stub, serving_stack, reference_llm):
+    expected = reference_llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    futures = [stub.Generate.future(_request(max_tokens=8, temperature=0.0), timeout=60) for _ in range(4)]
+    assert [f.result().text for f in futures] == [expected] * 4
+    serving_stack.wait_idle()

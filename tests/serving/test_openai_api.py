@@ -1,0 +1,136 @@
+"""The OpenAI-compatible HTTP API end to end, with the official `openai` client (and raw HTTP for
+what a client library never sends: invalid JSON)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from warpspec.sampling_params import SamplingParams
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def main():"
+
+
+@pytest.fixture(scope="module")
+def client(serving_stack):
+    with openai.OpenAI(base_url=f"{serving_stack.http_base}/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        yield client
+
+
+def test_completions_greedy_matches_in_process_llm(client, reference_llm):
+    expected = reference_llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0)
+    assert reply.choices[0].text == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
+
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12  # the include_usage chunk
+
+
+def test_chat_completions_with_the_default_template(client, reference_llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    # The documented default template (chat_template.py) for a checkpoint without one.
+    prompt = "system: Be brief.\nuser: Hi!\nassistant:"
+    expected = reference_llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]
+
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected.text
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0.0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models_and_health(client, serving_stack):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with urllib.request.urlopen(f"{serving_stack.http_base}/health", timeout=10) as reply:
+        assert reply.status == 200 and json.loads(reply.read()) == {"status": "ok"}
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert "'gpt-4' is not served here" in error.value.message
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": -1}, "max_tokens must be >= 1"),
+    ({"max_tokens": 100_000}, "max_tokens must be at most max_model_len 512"),
+    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": [5] * 600}, "600 tokens; max_model_len 512"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"n": 2}, "n must be 1"),
+    ({"extra_body": {"bogus_field": 1}}, "unknown field(s) bogus_field"),
+])
+def test_bad_completions_are_400(client, kwargs, field):
+    request = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(**request)
+    assert field in error.value.message
+    with pytest.raises(openai.BadRequestError):  # streaming requests fail before the stream starts
+        client.completions.create(**request, stream=True)
+
+
+def test_bad_chat_messages_are_400(client):
+    with pytest.raises(openai.BadRequestError, match="messages must be a non-empty list"):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+
+
+def _post(url: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_invalid_json_is_400(serving_stack):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, body = _post(serving_stack.http_base + path, b'{"model": "tiny", "prompt": ')
+        assert status == 400
+        assert body["error"]["type"] == "invalid_request_error" and "not valid JSON" in body["error"]["message"]
+    status, body = _post(serving_stack.http_base + "/v1/completions", b"[1, 2]")
+    assert status == 400 and "JSON object" in body["error"]["message"]
+
+
+def _disconnect_mid_stream(client) -> None:
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0.0,
+                                       extra_body={"ignore_eos": True}, stream=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    stream.close()  # drops the HTTP connection
+
+
+def test_disconnect_mid_stream_leaks_nothing(client, serving_stack):
+    _disconnect_mid_stream(client)
+    serving_stack.wait_idle()  # every KV block free again
+    reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0.0)
+    assert reply.usage.completion_tokens == 2
+
+
+@pytest.mark.xfail(reason="Ray Serve 2.60: on an HTTP disconnect the proxy cancels the request, but the replica's "
+                          "ASGI task is only cancelled once the response has ended, so the request runs to "
+                          "max_tokens (gRPC cancellation is prompt)", strict=False)
+def test_disconnect_mid_stream_aborts_the_request(client, serving_stack):
+    before = serving_stack.wait_idle()["num_aborted"]
+    _disconnect_mid_stream(client)
+    assert serving_stack.wait_idle()["num_aborted"] == before + 1
