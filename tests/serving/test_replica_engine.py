@@ -1,0 +1,78 @@
+"""ReplicaEngine and GenerationService in-process (no Ray, no network): the paths a network test
+cannot trigger on demand - a full queue, a worker dying mid-request - and their wire statuses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from warpspec.async_llm import AsyncLLM
+from warpspec.errors import EngineError, EngineOverloadedError, WorkerDiedError
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.serving.grpc_service import GenerationService
+from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.wire_errors import wire_error
+
+
+def _engine(checkpoint, **options) -> ReplicaEngine:
+    llm = AsyncLLM.from_options(str(checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=32, **options)
+    return ReplicaEngine(llm, "tiny")
+
+
+def _request(max_tokens=4) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="def main():", params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def test_full_queue_is_resource_exhausted(serving_checkpoint):
+    async def main():
+        service = GenerationService(_engine(serving_checkpoint, max_waiting_requests=1))
+        # Both are submitted before the engine loop runs: the second finds the queue full.
+        results = await asyncio.gather(service.generate(_request()), service.generate(_request()),
+                                       return_exceptions=True)
+        assert isinstance(results[0], pb.GenerateResponse) and results[0].usage.completion_tokens == 4
+        assert isinstance(results[1], EngineOverloadedError)
+        wire = wire_error(results[1])
+        assert (wire.grpc_code, wire.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
+        assert "max_waiting_requests" in wire.message
+        stats = service.engine.stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.is_healthy
+        await service.engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_dead_worker_makes_the_replica_unavailable_and_unhealthy(serving_checkpoint):
+    async def main():
+        engine = _engine(serving_checkpoint)
+        service = GenerationService(engine)
+        assert service.health_check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+
+        def die(step):
+            raise WorkerDiedError("a worker of this replica died during a step: test")
+
+        engine.llm.engine.executor.execute = die
+        with pytest.raises(WorkerDiedError) as error:
+            await service.generate(_request())
+        assert wire_error(error.value).grpc_code == grpc.StatusCode.UNAVAILABLE
+
+        assert service.health_check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(EngineError):
+            engine.check_health()  # what Serve's health check calls: the replica gets replaced
+        with pytest.raises(EngineError, match="cannot serve"):  # later requests fail fast
+            await service.generate(_request())
+        assert engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_unexpected_errors_never_carry_a_traceback():
+    try:
+        raise KeyError("boom\nTraceback (most recent call last): secret")
+    except KeyError as e:
+        wire = wire_error(e)
+    assert wire.grpc_code == grpc.StatusCode.INTERNAL and "\n" not in wire.message and "KeyError" in wire.message

@@ -1,0 +1,86 @@
+"""Network messages -> engine types without a server: proto `optional` semantics, field-named errors,
+and the OpenAI request shapes (plus the chat template and Serve args they depend on)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.serving.chat_template import ChatTemplate
+from warpspec.serving.openai_protocol import chat_request, completion_request
+from warpspec.serving.request_mapping import request_from_proto
+from warpspec.serving.serve_config import ServeConfig
+
+
+def test_unset_proto_fields_keep_engine_defaults_and_set_zero_is_kept():
+    prompt, params = request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(top_k=0)), 64)
+    defaults = SamplingParams()
+    assert prompt == "x"
+    assert (params.max_tokens, params.temperature, params.top_p) == (defaults.max_tokens, defaults.temperature, 1.0)
+    assert params.top_k == 0 and params.seed is None and params.logprobs is None
+    # temperature 0 (greedy) is not "unset"; 32-bit floats come back as the client wrote them.
+    _, params = request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(
+        temperature=0.0, top_p=0.9, stop=["\n"], seed=7)), 64)
+    assert (params.temperature, params.top_p, params.stop, params.seed) == (0.0, 0.9, ["\n"], 7)
+
+
+def test_token_id_prompts_and_errors_name_the_field():
+    prompt, _ = request_from_proto(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3])), 64)
+    assert prompt == [1, 2, 3]
+    with pytest.raises(InvalidRequestError, match="params.top_k must be >= -1"):
+        request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(top_k=-2)), 64)
+    with pytest.raises(InvalidRequestError, match="params.max_tokens must be at most max_model_len 64"):
+        request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(max_tokens=65)), 64)
+
+
+def test_openai_completion_and_chat_bodies():
+    prompt, params = completion_request({"model": "m", "prompt": ["hi"], "max_tokens": 3, "stop": "\n",
+                                         "user": "u", "n": 1, "top_k": 5}, 64)
+    assert prompt == "hi" and (params.max_tokens, params.stop, params.top_k) == (3, ["\n"], 5)
+    prompt, _ = completion_request({"model": "m", "prompt": [[1, 2]]}, 64)
+    assert prompt == [1, 2]
+    with pytest.raises(InvalidRequestError, match="one prompt per request"):
+        completion_request({"model": "m", "prompt": ["a", "b"]}, 64)
+    messages, params = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                     "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}, 64)
+    assert messages[0]["content"] == "x" and (params.max_tokens, params.logprobs) == (5, 2)
+    with pytest.raises(InvalidRequestError, match="unknown field"):
+        chat_request({"model": "m", "messages": [], "tools": []}, 64)
+
+
+def test_chat_template_from_tokenizer_config(tmp_path, serving_checkpoint):
+    from warpspec.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(serving_checkpoint)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert ChatTemplate.from_dir(tmp_path, tokenizer).render(messages) == "user: Hi\nassistant:"
+
+    template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": "<|begin_of_text|>"}}))
+    ids = ChatTemplate.from_dir(tmp_path, tokenizer).render(messages)
+    # The template writes its own BOS, so none is added on top.
+    assert ids == tokenizer.hf.encode("<|begin_of_text|><user>Hi<assistant>", add_special_tokens=False).ids
+    assert ids[0] == 1 and ids[1] != 1
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{{ raise_exception('roles must alternate') }}"}))
+    with pytest.raises(InvalidRequestError, match="roles must alternate"):
+        ChatTemplate.from_dir(tmp_path, tokenizer).render(messages)
+
+
+def test_serve_args_convert_strings_and_name_unknown_args():
+    config = ServeConfig.from_args({"model": "/m", "num_workers": "2", "max_replicas": "3",
+                                    "target_ongoing_requests": "4", "warmup": "false", "draft": "null"})
+    assert config.engine == {"num_workers": 2} and not config.warmup
+    assert config.autoscaling_config["max_replicas"] == 3 and config.autoscaling_config["target_ongoing_requests"] == 4
+    with pytest.raises(ValueError, match="unknown arg 'num_worker'"):
+        ServeConfig.from_args({"model": "/m", "num_worker": 2})
+    with pytest.raises(ValueError, match="num_workers must be int, got 'two'"):
+        ServeConfig.from_args({"model": "/m", "num_workers": "two"})
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        ServeConfig.from_args({"model": "/m", "min_replicas": 3, "max_replicas": 2})
