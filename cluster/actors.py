@@ -46,6 +46,9 @@ class CoordinatorActor:
     def execute(self, step_bytes: bytes) -> bytes:
         return self.coordinator.execute(step_bytes)
 
+    def propose(self, request_bytes: bytes) -> bytes:
+        return self.coordinator.propose(request_bytes)
+
     def take_timings(self):
         return self.coordinator.take_timings()
 

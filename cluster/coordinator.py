@@ -18,10 +18,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config import EngineConfig
+from warpspec.coordinator_proposer import DraftServer, load_eagle3_proposer
 from warpspec.errors import PlacementError, WorkerDiedError
 from warpspec.workers.comm import CommInit
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.runner import StepOutput
 from warpspec.workers.worker import WorkerConfig, WorkerInfo
 
 
@@ -31,6 +33,7 @@ class ReplicaInfo:
     num_blocks: int
     workers: list[WorkerInfo]
     dispatch: str
+    draft_aux_layer_ids: tuple[int, ...] | None = None  # when the coordinator runs an EAGLE-3 draft
 
 
 @dataclass
@@ -54,11 +57,12 @@ class Coordinator:
         check_parallel_layout(self.model_config, self.parallel.num_workers)
         self._check_cluster_capacity()
         self.placement_group = self._place_bundles()
-        self.workers, self.graph = [], None
+        self.workers, self.graph, self.drafter = [], None, None
         try:
             self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
             self.infos = self._start_workers()
             self.graph = self._compile_step_graph() if self.parallel.dispatch == "compiled" else None
+            self.drafter = self._load_draft() if config.speculative.enabled else None
         except BaseException:
             self.shutdown()  # a half-built replica must not keep its actors or bundles
             raise
@@ -118,6 +122,10 @@ class Coordinator:
         return unwrap_ray_errors(lambda: ray.get([w.start.remote(c) for w, c in zip(self.workers, configs,
                                                                                      strict=True)]))
 
+    def _load_draft(self) -> DraftServer:
+        num_blocks = min(i.num_blocks for i in self.infos)
+        return DraftServer(load_eagle3_proposer(self.config, self.model_config, num_blocks))
+
     def _compile_step_graph(self):
         from ray.dag import InputNode, MultiOutputNode
 
@@ -129,7 +137,7 @@ class Coordinator:
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.parallel.num_workers, min(i.num_blocks for i in self.infos), self.infos,
-                           self.parallel.dispatch)
+                           self.parallel.dispatch, self.drafter.proposer.aux_layer_ids if self.drafter else None)
 
     def execute(self, step_bytes: bytes) -> bytes:
         """Encoded StepInput -> rank 0's encoded StepOutput."""
@@ -148,7 +156,17 @@ class Coordinator:
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
         wall = time.perf_counter() - start
         self.timings.append(DispatchTiming(wall, max(compute_s for compute_s, _ in replies)))
-        return replies[0][1]
+        if self.drafter is None:
+            return replies[0][1]
+        # The hidden states stay here for the draft; the engine gets the logits only.
+        output = StepOutput.from_bytes(replies[0][1])
+        self.drafter.keep(output.aux_hidden)
+        output.aux_hidden = []
+        return output.to_bytes()
+
+    def propose(self, request_bytes: bytes) -> bytes:
+        """Encoded draft requests for the step just run -> encoded drafts (coordinator_proposer.py)."""
+        return self.drafter.handle(request_bytes)
 
     def take_timings(self) -> list[DispatchTiming]:
         timings, self.timings = self.timings, []

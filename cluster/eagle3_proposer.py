@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from warpspec.kernels import PagedAttentionMetadata
-from warpspec.proposer import DraftRequest
+from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import sample_from
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput
@@ -48,6 +48,7 @@ class Eagle3Proposer:
         self.draft = draft
         self.block_size = block_size
         self.aux_layer_ids = c.aux_layer_ids
+        self.generators: dict[str, torch.Generator] = {}  # when requests bring no generator of their own
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
         if compile:
@@ -66,50 +67,63 @@ class Eagle3Proposer:
     def _choose(self, logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[list[int], torch.Tensor | None]:
         """Draft-vocab logits [n, draft_vocab] -> target token ids, and the target-vocab
         distributions they were drawn from (None when every request is greedy)."""
-        if all(r.seq.params.is_greedy for r in requests):
+        if all(r.temperature == 0 for r in requests):
             return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), None
-        temperature = torch.tensor([r.seq.params.temperature or 1.0 for r in requests])
-        draft_probs = (logits / temperature[:, None]).softmax(dim=-1)
-        choice = sample_from(draft_probs, [r.seq.generator for r in requests])
-        greedy = torch.tensor([r.seq.params.is_greedy for r in requests])
+        temperature = torch.tensor([r.temperature or 1.0 for r in requests])
+        draft_probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+        choice = sample_from(draft_probs, [self._generator(r) for r in requests])
+        greedy = torch.tensor([r.temperature == 0 for r in requests])
         choice = torch.where(greedy, logits.argmax(dim=-1), choice)
         target_vocab = self.draft.embed_tokens.shape[0]
         probs = torch.zeros(len(requests), target_vocab)
         probs.index_copy_(1, self.draft.to_target_ids(torch.arange(logits.shape[-1])), draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
+    def _generator(self, request: DraftRequest) -> torch.Generator:
+        """The engine's generator in-process; a per-request one seeded from the request otherwise."""
+        if request.generator is not None:
+            return request.generator
+        if request.request_id not in self.generators:
+            # Not the request's seed itself: the engine verifies with a generator seeded by it, and the
+            # acceptance draws must be independent of the draws that chose the drafts.
+            seed = (request.seed * 6364136223846793005 + 1442695040888963407) % 2**63
+            self.generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return self.generators[request.request_id]
+
+    def release(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
     @torch.inference_mode()
-    def propose(self, requests: list[DraftRequest]) -> None:
+    def propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:
+        """aux_hidden: the step's captured hidden states (each [num_tokens, hidden])."""
         if not requests:
-            return
-        plan, features = [], []
-        for r in requests:
-            n = r.num_positions
-            pair_tokens = r.seq.all_token_ids[r.first_position + 1 : r.first_position + 1 + n]
-            plan.append(SequenceStep(pair_tokens, r.first_position, r.block_table,
-                                     logits_from=n - 1 if r.num_drafts else n))
-            features.append(r.features)
-        logits, prenorm = self._run(plan, torch.cat(features).to(self.draft.fc.dtype))
-        active = [r for r in requests if r.num_drafts]
-        for r in requests:
-            r.seq.draft_token_ids, r.seq.draft_probs = [], None
-        probs_of: dict[int, list[torch.Tensor]] = {id(r): [] for r in active}
-        position = {id(r): r.first_position + r.num_positions for r in active}
+            return []
+        features = torch.cat(aux_hidden, dim=-1).to(self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
+        plan = [SequenceStep(r.token_ids, r.first_position, r.block_table,
+                             logits_from=r.num_positions - 1 if r.num_drafts else r.num_positions) for r in requests]
+        rows = torch.cat([torch.arange(r.feature_start, r.feature_start + r.num_positions) for r in requests])
+        logits, prenorm = self._run(plan, features[rows])
+        drafts = [Drafts([]) for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.num_drafts]
+        probs_of: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         step = 0
         while active:
-            tokens, probs = self._choose(logits, active)
-            for i, (r, token) in enumerate(zip(active, tokens, strict=True)):
-                r.seq.draft_token_ids.append(token)
+            tokens, probs = self._choose(logits, [requests[i] for i in active])
+            for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
+                drafts[i].token_ids.append(token)
                 if probs is not None:
-                    probs_of[id(r)].append(probs[i])
+                    probs_of[i].append(probs[row])
             step += 1
-            keep = [i for i, r in enumerate(active) if r.num_drafts > step]
+            keep = [row for row, i in enumerate(active) if requests[i].num_drafts > step]
             if not keep:
                 break
-            active = [active[i] for i in keep]
-            plan = [SequenceStep([r.seq.draft_token_ids[-1]], position[id(r)] + step - 1, r.block_table, 0)
-                    for r in active]
+            active = [active[row] for row in keep]
+            # Draft token j sits at position first_position + num_positions + j - 1.
+            plan = [SequenceStep([drafts[i].token_ids[-1]], requests[i].first_position + requests[i].num_positions
+                                 + step - 1, requests[i].block_table, 0) for i in active]
             logits, prenorm = self._run(plan, prenorm[keep])
-        for r in requests:
-            if probs_of.get(id(r)):
-                r.seq.draft_probs = torch.stack(probs_of[id(r)])
+        for i, probs in probs_of.items():
+            if probs:
+                drafts[i].probs = torch.stack(probs)
+        return drafts

@@ -11,19 +11,17 @@ Both front ends drive it: LLM (blocking, a batch at a time) and AsyncLLM (stream
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
-from warpspec.eagle3_proposer import Eagle3Proposer
+from warpspec.coordinator_proposer import CoordinatorProposer, load_eagle3_proposer
 from warpspec.errors import EngineError
 from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
-from warpspec.proposer import DraftRequest
+from warpspec.proposer import DraftRequest, Proposer
 from warpspec.rejection_sampler import verify
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -31,8 +29,6 @@ from warpspec.scheduler import ScheduledSequence, Scheduler
 from warpspec.sequence import Sequence
 from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
-from warpspec.workers.eagle3 import load_eagle3
-from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.step import SequenceStep, StepInput
 
 Prompt = str | list[int]
@@ -53,24 +49,17 @@ class LLMEngine:
         self.seed_source = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
         self.proposer = self._load_proposer()
+        self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.spec_stats = SpeculationStats()
 
-    def _load_proposer(self) -> Eagle3Proposer | None:
-        spec = self.config.speculative
-        if not spec.enabled:
+    def _load_proposer(self) -> Proposer | None:
+        if not self.config.speculative.enabled:
             return None
-        dtype = resolve_dtype(self.config.dtype, self.model_config)
         runner = getattr(self.executor, "runner", None)
-        # The draft embeds with the target's table: shared in-process, read from the checkpoint otherwise.
-        if runner is not None:
-            embed = runner.model.model.embed_tokens.weight
-        else:
-            embed = read_checkpoint_tensor(self.config.model, "model.embed_tokens.weight", self.model_config).to(dtype)
-        draft = load_eagle3(spec.draft, self.model_config, embed, dtype, spec.aux_layer_offset)
-        if spec.compile_draft:
-            # Compiled kernels are cached here, so a restart does not pay the compile again.
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(self.config.run_dir, "inductor").resolve()))
-        return Eagle3Proposer(draft, self.executor.num_blocks, self.block_size, compile=spec.compile_draft)
+        if runner is None:  # Ray workers: the draft runs in the coordinator, beside rank 0's hidden states
+            return CoordinatorProposer(self.executor, self.executor.info.draft_aux_layer_ids)
+        return load_eagle3_proposer(self.config, self.model_config, self.executor.num_blocks,
+                                    runner.model.model.embed_tokens.weight)
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -133,6 +122,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.remove(seq)
+        self.released.append(request_id)
         seq.finish("abort")
         return seq.to_output()
 
@@ -197,6 +187,7 @@ class LLMEngine:
         for seq in finished:
             self.scheduler.remove(seq)
             del self.requests[seq.request_id]
+            self.released.append(seq.request_id)
         if self.proposer is not None:
             draft_start = time.perf_counter()
             self._propose(sched.scheduled, output.aux_hidden, num_rejected)
@@ -247,14 +238,12 @@ class LLMEngine:
                  num_rejected: dict[str, int]) -> None:
         """Bring the draft up to date on every position the target computed this step, and ask it for
         the next drafts of each sequence that will decode next step."""
-        features = torch.cat(aux_hidden, dim=-1) if aux_hidden else None  # [num_tokens, 3 * hidden]
-        requests, token_start = [], 0
+        requests, live, token_start = [], [], 0
         k = self.config.speculative.num_speculative_tokens
         for item in scheduled:
             seq = item.seq
             valid = len(item.token_ids) - num_rejected.get(seq.request_id, 0)
-            rows = features[token_start : token_start + valid] if features is not None else None
-            token_start += len(item.token_ids)
+            feature_start, token_start = token_start, token_start + len(item.token_ids)
             seq.draft_token_ids, seq.draft_probs = [], None
             if seq.finish_reason is not None:
                 continue
@@ -269,9 +258,17 @@ class LLMEngine:
                     num_drafts = 1
                 if num_drafts > 1:
                     self.block_manager.allocate(seq.request_id, seq.num_tokens + num_drafts - 2)
-            requests.append(DraftRequest(seq, item.num_cached, valid, rows, num_drafts,
-                                         self.block_manager.block_tables[seq.request_id]))
-        self.proposer.propose(requests)
+            first = item.num_cached
+            requests.append(DraftRequest(
+                seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, num_drafts,
+                self.block_manager.block_tables[seq.request_id], seq.params.temperature,
+                seq.generator.initial_seed(), seq.generator))
+            live.append(seq)
+        for seq, drafts in zip(live, self.proposer.propose(requests, aux_hidden), strict=True):
+            seq.draft_token_ids, seq.draft_probs = drafts.token_ids, drafts.probs
+        if self.released:
+            self.proposer.release(self.released)
+            self.released = []
 
     def _logits_from(self, item: ScheduledSequence) -> int:
         """First of the step's tokens whose logits are needed: all of them while prompt logprobs are

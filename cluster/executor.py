@@ -54,6 +54,13 @@ class RayExecutor:
             raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
         return StepOutput.from_bytes(reply)
 
+    def propose(self, request_bytes: bytes) -> bytes:
+        """The coordinator's draft (coordinator_proposer.py)."""
+        try:
+            return unwrap_ray_errors(lambda: ray.get(self.coordinator.propose.remote(request_bytes)))
+        except RayActorError as e:
+            raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
+
     def take_timings(self) -> list[DispatchTiming]:
         return ray.get(self.coordinator.take_timings.remote())
 

@@ -1,30 +1,51 @@
-"""The proposer interface of speculative decoding: after each target step, propose the next draft
-tokens of every decoding sequence. EAGLE-3 is one implementation (eagle3_proposer.py); n-gram or
-MTP proposers fit behind the same two methods."""
+"""The proposer interface of speculative decoding: after each target step, bring the proposer up to
+date on the positions the target kept and ask it for the next draft tokens of every decoding sequence.
+EAGLE-3 is one implementation (eagle3_proposer.py); it runs in the engine's process with one worker
+and inside the coordinator actor with Ray workers (coordinator_proposer.py). n-gram or MTP proposers
+fit behind the same method.
+
+The messages carry plain values only (no engine objects), so they cross to the coordinator as they are.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from warpspec.sequence import Sequence
-
 
 @dataclass
 class DraftRequest:
-    seq: Sequence
+    request_id: str
+    # The tokens at positions first_position + 1 ... first_position + num_positions: the draft reads the
+    # target's features at p with the token at p + 1 (see eagle3_proposer.py).
+    token_ids: list[int]
     first_position: int  # the first position the target computed (and kept) this step
-    num_positions: int  # how many it computed and kept (rejected drafts excluded)
-    features: torch.Tensor | None  # [num_positions, 3 * hidden]: their hidden states, if asked for
+    feature_start: int  # the row of first_position among the step's tokens (its aux hidden states)
     num_drafts: int  # draft tokens wanted for the next step; 0 only brings the proposer's state up to date
     block_table: list[int]
+    temperature: float  # 0: greedy drafts
+    seed: int  # seeds the request's draft sampling where the proposer keeps its own generators
+    generator: torch.Generator | None = field(default=None, repr=False)  # the engine's, in-process only
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class Drafts:
+    token_ids: list[int]  # target vocabulary ids
+    probs: torch.Tensor | None = None  # [num_drafts, target_vocab] when sampled: what they were drawn from
 
 
 class Proposer(Protocol):
     aux_layer_ids: tuple[int, ...]  # target layers whose entering hidden states the proposer reads
 
-    def propose(self, requests: list[DraftRequest]) -> None:
-        """Set seq.draft_token_ids (target ids) and, for sampled requests, seq.draft_probs
-        ([num_drafts, target_vocab], the distributions the drafts were drawn from)."""
+    def propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:
+        """One Drafts per request, in order. aux_hidden: this step's captured hidden states, each
+        [num_tokens, hidden] (empty when they stay where the proposer runs)."""
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state of finished or aborted requests."""

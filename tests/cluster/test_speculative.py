@@ -11,7 +11,8 @@ from eagle3_checkpoints import make_eagle3_checkpoint
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.proposer import DraftRequest
+from warpspec.coordinator_proposer import CoordinatorProposer
+from warpspec.proposer import DraftRequest, Drafts
 from warpspec.rejection_sampler import verify
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
@@ -59,27 +60,39 @@ class ScriptedProposer:
 
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, continuations: dict[str, list[int]], error_rate: float, seed: int = 0):
-        self.continuations = continuations
+    def __init__(self, continuations: dict[str, list[int]], prompt_lens: dict[str, int], error_rate: float,
+                 seed: int = 0):
+        self.continuations, self.prompt_lens = continuations, prompt_lens
         self.error_rate = error_rate
         self.rng = random.Random(seed)
 
-    def propose(self, requests: list[DraftRequest]) -> None:
+    def propose(self, requests: list[DraftRequest], aux_hidden) -> list[Drafts]:
+        out = []
         for r in requests:
-            done = len(r.seq.output_token_ids)
-            drafts = list(self.continuations[r.seq.request_id][done : done + r.num_drafts])
+            # The request's tokens end at position first_position + num_positions (the newest one).
+            done = r.first_position + r.num_positions + 1 - self.prompt_lens[r.request_id]
+            drafts = list(self.continuations[r.request_id][done : done + r.num_drafts])
             for i in range(len(drafts)):
                 if self.rng.random() < self.error_rate:
                     drafts[i] = (drafts[i] + 1) % 160
-            r.seq.draft_token_ids, r.seq.draft_probs = drafts, None
+            out.append(Drafts(drafts))
+        return out
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
+
+def scripted(reference, error_rate: float) -> ScriptedProposer:
+    ids = [f"offline-{i}" for i in range(len(reference))]
+    return ScriptedProposer(dict(zip(ids, (r.token_ids for r in reference), strict=True)),
+                            dict(zip(ids, map(len, _prompts()), strict=True)), error_rate)
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
 def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference, error_rate):
-    continuations = {f"offline-{i}": r.token_ids for i, r in enumerate(reference)}
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=4,
              block_size=4) as llm:
-        llm.engine.proposer = ScriptedProposer(continuations, error_rate)
+        llm.engine.proposer = scripted(reference, error_rate)
         outs = llm.generate(_prompts(), GREEDY)
         stats = llm.engine.spec_stats
         manager = llm.engine.block_manager
@@ -94,11 +107,10 @@ def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference
 
 
 def test_drafts_never_cross_max_tokens_or_stop_tokens(target, draft, reference):
-    continuations = {f"offline-{i}": r.token_ids for i, r in enumerate(reference)}
     stop = reference[2].token_ids[6]
     first_stop = reference[2].token_ids.index(stop)
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=4) as llm:
-        llm.engine.proposer = ScriptedProposer(continuations, 0.0)
+        llm.engine.proposer = scripted(reference, 0.0)
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop]))
     assert outs[2].token_ids == reference[2].token_ids[: min(first_stop + 1, 10)]
     assert all(len(o.token_ids) <= 10 for o in outs)
@@ -155,12 +167,20 @@ def test_mismatched_drafts_are_refused(target, tmp_path, kwargs, message):
 
 
 def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
-    """Rank 0 returns the captured hidden states through the compiled graph; the draft reads the
-    target's embedding table from the checkpoint (the workers hold only shards of it)."""
+    """The draft runs in the coordinator actor, on the hidden states rank 0 returns through the compiled
+    graph, with the target's embedding table read from the checkpoint (workers hold only shards)."""
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_workers=2) as llm:
+        assert isinstance(llm.engine.proposer, CoordinatorProposer)
         outs = llm.generate(_prompts(), GREEDY)
         assert llm.engine.spec_stats.num_verify_steps > 0
+        # A seeded sampled request is reproducible whatever else is in its batch, with the drafts
+        # sampled in the coordinator.
+        alone = llm.generate([_prompts()[1]], sampled)[0]
+        batched = llm.generate(_prompts(), [GREEDY] + [sampled] + [GREEDY] * 3)[1]
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 12
 
 
 @pytest.mark.slow
@@ -180,15 +200,19 @@ class SkewedProposer:
     def __init__(self, options: dict[int, list[int]], vocab: int):
         self.options, self.vocab = options, vocab
 
-    def propose(self, requests: list[DraftRequest]) -> None:
+    def propose(self, requests: list[DraftRequest], aux_hidden) -> list[Drafts]:
+        out = []
         for r in requests:
-            r.seq.draft_token_ids, r.seq.draft_probs = [], None
             if not r.num_drafts:
+                out.append(Drafts([]))
                 continue
             q = torch.zeros(self.vocab)
-            q[self.options[r.seq.output_token_ids[0]]] = torch.tensor([0.1, 0.2, 0.7])
-            draft = int(torch.multinomial(q, 1, generator=r.seq.generator))
-            r.seq.draft_token_ids, r.seq.draft_probs = [draft], q[None]
+            q[self.options[r.token_ids[-1]]] = torch.tensor([0.1, 0.2, 0.7])  # the newest token is t1
+            out.append(Drafts([int(torch.multinomial(q, 1, generator=r.generator))], q[None]))
+        return out
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
 
 
 @pytest.mark.parametrize("proposer", ["eagle3", "skewed"])
