@@ -64,8 +64,16 @@ def _train_target(args: argparse.Namespace) -> None:
           f"validation perplexity {report['val_perplexity']:.2f}")
 
 
+def _draft_data(args: argparse.Namespace) -> None:
+    from warpspec.training.draft_data import write_draft_corpus
+
+    path = write_draft_corpus(args.target, args.out, num_samples=args.num_samples, prompt_tokens=args.prompt_tokens,
+                              max_tokens=args.max_tokens, seed=args.seed)
+    print(f"wrote {args.num_samples} target continuations to {path}")
+
+
 BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch", "throughput": "warpspec.benchmarks.throughput",
-              "spec": "warpspec.benchmarks.spec"}
+              "spec": "warpspec.benchmarks.spec", "serve": "warpspec.benchmarks.serve"}
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -131,7 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--seed", type=int, default=0)
     target.set_defaults(func=_train_target)
 
-    bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput, spec); "
+    data = commands.add_parser("draft-data", help="write a draft's training data: the target's greedy "
+                                                  "continuations of prompts from the documentation corpus")
+    data.add_argument("--target", required=True, help="target checkpoint folder (with tokenizer.json)")
+    data.add_argument("--out", required=True, help="JSONL file to write, one {'token_ids': [...]} per line")
+    data.add_argument("--num-samples", type=int, default=1024)
+    data.add_argument("--prompt-tokens", type=int, default=32)
+    data.add_argument("--max-tokens", type=int, default=128)
+    data.add_argument("--seed", type=int, default=0)
+    data.set_defaults(func=_draft_data)
+
+    bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput, spec, serve); "
                                               "`warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")

@@ -58,8 +58,9 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
-def read_corpus(path: str) -> list[str]:
-    """Documents: JSONL lines' "text", or the whole file split on blank-line runs."""
+def read_corpus(path: str) -> list[str | list[int]]:
+    """Documents: JSONL lines' "text" (or "token_ids", e.g. from write_draft_corpus), or the whole
+    file split on blank-line runs."""
     source = Path(path)
     if not source.is_file():
         raise ValueError(f"training data {path} not found")
@@ -69,17 +70,19 @@ def read_corpus(path: str) -> list[str]:
         for number, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
-                    docs.append(json.loads(line)["text"])
+                    record = json.loads(line)
+                    docs.append(record["token_ids"] if "token_ids" in record else record["text"])
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{path}:{number}: expected a JSON object with a 'text' field") from None
+                    raise ValueError(f"{path}:{number}: expected a JSON object with a 'text' or 'token_ids' "
+                                     "field") from None
         return docs
     return [d for d in text.split("\n\n") if d.strip()]
 
 
-def token_chunks(docs: list[str], tokenizer: Tokenizer, seq_len: int) -> list[list[int]]:
+def token_chunks(docs: list[str | list[int]], tokenizer: Tokenizer, seq_len: int) -> list[list[int]]:
     stream: list[int] = []
     for doc in docs:
-        stream.extend(tokenizer.encode(doc))
+        stream.extend(doc if isinstance(doc, list) else tokenizer.encode(doc))
     return [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
 
 

@@ -188,7 +188,8 @@ class TargetTrainer:
             seconds = time.perf_counter() - started
             self.elapsed_s += seconds
             progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{c.batch_size * c.seq_len / seconds:.0f}")
+            progress.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{c.batch_size * c.seq_len / seconds:.0f}",
+                                 refresh=False)
             if self.step % c.eval_every == 0 or self.step == c.steps:
                 self.history.append({"step": self.step, "train_loss": loss.item(),
                                      "val_perplexity": self.validation_perplexity(), "elapsed_s": self.elapsed_s})

@@ -51,5 +51,5 @@ def test_bad_training_input(tmp_path, corpus):
         DraftTrainer(TrainConfig(target=str(target), data=str(tmp_path / "none.txt"), out=str(tmp_path / "o")))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "wrong field"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object with a 'text' field"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object with a 'text' or 'token_ids' field"):
         DraftTrainer(TrainConfig(target=str(target), data=str(bad), out=str(tmp_path / "o")))
