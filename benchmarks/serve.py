@@ -1,0 +1,219 @@
+"""`warpspec bench serve`: the serving path (gRPC client -> Serve gRPC proxy -> replica -> AsyncLLM)
+beside AsyncLLM called in-process, under the same load, in one run.
+
+Load: `--concurrency C` keeps C streams busy (each sends its next request when the last ends), or
+`--rate R` sends requests open-loop at Poisson arrivals of R per second (no cap on in flight). Same
+prompts (random token ids, so no prefix-cache hits), same output lengths (ignore_eos), greedy. Per
+request: TTFT from send to the first token, TPOT over the rest. Reported per path: output tokens/s
+and TTFT / TPOT p50, p90, p99; and the serving overhead (tokens/s lost, TPOT added). The two paths run
+interleaved over --repeats rounds (median kept): this machine's speed drifts. Writes
+runs/bench/serve.json and serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import torch
+
+from warpspec.async_llm import AsyncLLM
+from warpspec.benchmarks.throughput import make_prompts
+from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.sampling_params import SamplingParams
+
+# One request under load: (time to first token, time per output token after it, output tokens).
+Timing = tuple[float, float, int]
+RunOne = Callable[[list[int]], Awaitable[Timing]]
+REPLICA_CPUS = 1  # the replica actor's num_cpus (build_app's default)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def drive(run_one: RunOne, prompts: list[list[int]], concurrency: int, rate: float, seed: int) -> dict:
+    """Send every prompt under the load shape; returns tokens/s and latency percentiles (ms)."""
+    timings: list[Timing] = []
+    start = time.perf_counter()
+    if rate > 0:
+        rng = random.Random(seed)
+        arrivals, t = [], 0.0
+        for _ in prompts:
+            t += rng.expovariate(rate)
+            arrivals.append(t)
+
+        async def at(offset: float, prompt: list[int]) -> None:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            timings.append(await run_one(prompt))
+
+        await asyncio.gather(*[at(a, p) for a, p in zip(arrivals, prompts, strict=True)])
+    else:
+        queue = list(prompts)
+
+        async def stream() -> None:
+            while queue:
+                timings.append(await run_one(queue.pop()))
+
+        await asyncio.gather(*[stream() for _ in range(concurrency)])
+    wall = time.perf_counter() - start
+    ttft = [t[0] * 1e3 for t in timings]
+    tpot = [t[1] * 1e3 for t in timings]
+    row = {"tokens_per_s": sum(t[2] for t in timings) / wall, "wall_s": wall}
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot)):
+        for q in (0.5, 0.9, 0.99):
+            row[f"{name}_p{int(q * 100)}"] = _percentile(values, q)
+    return row
+
+
+def in_process_runner(engine: AsyncLLM, new_tokens: int) -> RunOne:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run_one(prompt: list[int]) -> Timing:
+        sent, first, count = time.perf_counter(), None, 0
+        async for out in engine.generate(prompt, params):
+            if out.new_token_ids and first is None:
+                first = time.perf_counter()
+            count += len(out.new_token_ids)
+        end = time.perf_counter()
+        return first - sent, (end - first) / max(1, count - 1), count
+
+    return run_one
+
+
+def grpc_runner(stub, new_tokens: int) -> RunOne:
+    from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+
+    params = pb.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run_one(prompt: list[int]) -> Timing:
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=params)
+        sent, first, count = time.perf_counter(), None, 0
+        async for reply in stub.GenerateStream(request, timeout=600):
+            if reply.token_ids and first is None:
+                first = time.perf_counter()
+            count += len(reply.token_ids)
+        end = time.perf_counter()
+        return first - sent, (end - first) / max(1, count - 1), count
+
+    return run_one
+
+
+def _start_serve(model_dir: Path, engine_args: dict) -> str:
+    import ray
+
+    from warpspec.serving.serve_cli import start_serving
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Unix socket paths under the temp dir must stay short.
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-bench-"),
+             log_to_driver=False)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    start_serving({"model": str(model_dir), "num_cpus": REPLICA_CPUS, **engine_args}, grpc_port=port,
+                  http_port=http_port, host="127.0.0.1")
+    return f"127.0.0.1:{port}"
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| path | tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['path']} | {r['tokens_per_s']:.0f} | {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p90']:.1f} / "
+                     f"{r['ttft_ms_p99']:.1f} | {r['tpot_ms_p50']:.2f} / {r['tpot_ms_p90']:.2f} / "
+                     f"{r['tpot_ms_p99']:.2f} |")
+    return "\n".join(lines)
+
+
+def _median_row(path: str, runs: list[dict]) -> dict:
+    return {"path": path, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+
+
+async def _compare(model_dir: Path, engine_args: dict, target: str, vocab: int,
+                   args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Both paths under the same loads, interleaved round by round."""
+    import grpc
+
+    from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+
+    # Like for like: Ray starts the replica with OMP_NUM_THREADS = its num_cpus (1), so the in-process
+    # engine gets as many torch threads. (Two OpenMP threads on a busy 2-core machine spin-wait for
+    # each other: measured 10x slower steps here while another process ran.)
+    torch.set_num_threads(REPLICA_CPUS)
+    engine = AsyncLLM.from_options(str(model_dir), **engine_args)
+    async with grpc.aio.insecure_channel(target) as channel:
+        paths = {"AsyncLLM in-process": in_process_runner(engine, args.new_tokens),
+                 "gRPC via Ray Serve": grpc_runner(pb_grpc.GenerationStub(channel), args.new_tokens)}
+        runs: dict[str, list[dict]] = {name: [] for name in paths}
+        warm = make_prompts(2, args.prompt_len, vocab, seed=999)
+        for run_one in paths.values():
+            await drive(run_one, warm, 2, 0.0, 0)
+        for repeat in range(args.repeats):
+            prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=repeat)
+            for name, run_one in paths.items():
+                runs[name].append(await drive(run_one, prompts, args.concurrency, args.rate, seed=repeat))
+    await engine.shutdown()
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="warpspec bench serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder (default: a random 'small' checkpoint)")
+    parser.add_argument("--concurrency", type=int, default=8, help="streams kept busy (closed loop)")
+    parser.add_argument("--rate", type=float, default=0.0, help="open loop: requests per second (0: closed loop)")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--run-dir", default="runs")
+    args = parser.parse_args(argv)
+
+    out_dir = Path(args.run_dir, "bench")
+    model_dir = Path(args.model) if args.model else out_dir / "serve-model"
+    if not (model_dir / "config.json").exists():
+        create_random_checkpoint(model_dir, "small")
+    engine_args = {"dtype": "float32", "enable_prefix_caching": False, "max_waiting_requests": 4096}
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+    import ray
+    from ray import serve
+
+    target = _start_serve(model_dir, engine_args)
+    try:
+        runs = asyncio.run(_compare(model_dir, engine_args, target, vocab, args))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    rows = [_median_row(name, r) for name, r in runs.items()]
+    local, served = rows
+    overhead = {"tokens_per_s_lost_pct": 100 * (1 - served["tokens_per_s"] / local["tokens_per_s"]),
+                "tpot_p50_added_pct": 100 * (served["tpot_ms_p50"] / local["tpot_ms_p50"] - 1),
+                "ttft_p50_added_ms": served["ttft_ms_p50"] - local["ttft_ms_p50"]}
+    load = f"{args.rate:g} req/s open loop" if args.rate > 0 else f"{args.concurrency} concurrent streams"
+    report = {"load": load, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows, "overhead": overhead}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve.json").write_text(json.dumps(report, indent=2))
+    text = (f"Serving overhead, {load}, {args.num_requests} requests x {args.new_tokens} tokens "
+            f"(median of {args.repeats}):\n\n{_table(rows)}\n\n"
+            f"serving path: {overhead['tokens_per_s_lost_pct']:.1f}% fewer tokens/s, "
+            f"TPOT p50 {overhead['tpot_p50_added_pct']:+.1f}%, TTFT p50 {overhead['ttft_p50_added_ms']:+.1f} ms\n")
+    (out_dir / "serve.md").write_text(text)
+    print(text)
+    return 0
