@@ -65,15 +65,17 @@ def _train_target(args: argparse.Namespace) -> None:
 
 
 def _draft_data(args: argparse.Namespace) -> None:
-    from warpspec.training.draft_data import write_draft_corpus
+    from warpspec.training.draft_data import write_draft_corpus, write_held_out_prompts
 
     path = write_draft_corpus(args.target, args.out, num_samples=args.num_samples, prompt_tokens=args.prompt_tokens,
                               max_tokens=args.max_tokens, seed=args.seed)
     print(f"wrote {args.num_samples} target continuations to {path}")
+    if args.held_out_prompts:
+        write_held_out_prompts(args.target, args.held_out_prompts, prompt_tokens=args.prompt_tokens, seed=args.seed)
+        print(f"wrote held-out prompts to {args.held_out_prompts}")
 
 
-BENCHMARKS = {"dispatch": "warpspec.benchmarks.dispatch", "throughput": "warpspec.benchmarks.throughput",
-              "spec": "warpspec.benchmarks.spec", "serve": "warpspec.benchmarks.serve"}
+BENCHMARKS = {name: f"warpspec.benchmarks.{name}" for name in ("compare", "dispatch", "throughput", "spec", "serve")}
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -147,9 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--prompt-tokens", type=int, default=32)
     data.add_argument("--max-tokens", type=int, default=128)
     data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--held-out-prompts", help="also write 16 prompts from validation documents to this JSON file")
     data.set_defaults(func=_draft_data)
 
-    bench = commands.add_parser("bench", help="run a benchmark (dispatch, throughput, spec, serve); "
+    bench = commands.add_parser("bench", help="run a benchmark (compare, dispatch, throughput, spec, serve); "
                                               "`warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
@@ -157,10 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Serving (issue 7): each command lives in its own module.
     from warpspec.client import add_client_parser
+    from warpspec.demo import add_demo_parser
     from warpspec.serving.serve_cli import add_serve_parser
 
     add_serve_parser(commands)
     add_client_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 

@@ -1,0 +1,166 @@
+"""`warpspec bench compare`: the headline comparison on the bundled model pair, in one run, same
+prompts (held-out documentation excerpts) and output lengths: transformers `generate` greedy,
+transformers assisted generation by prompt lookup (k=3), warpspec without speculation and with EAGLE-3,
+on 1 and 2 workers, at batch 1 and 8. Tokens/s per user and ratios to transformers' greedy; Markdown,
+JSON and a PNG bar chart under runs/bench/. Every configuration runs greedy, so all of them must emit
+the same tokens (checked, and reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+from warpspec.llm import LLM
+from warpspec.sampling_params import SamplingParams
+from warpspec.spec_stats import SpeculationStats
+
+HF_GREEDY = "transformers greedy"
+HF_LOOKUP = "transformers prompt lookup (k=3)"
+
+
+def warpspec_runner(llm: LLM, new_tokens: int) -> Callable[[list[list[int]]], list[list[int]]]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    return lambda prompts: [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def transformers_runner(model, new_tokens: int, prompt_lookup: bool) -> Callable[[list[list[int]]], list[list[int]]]:
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        ids = torch.tensor(prompts)  # equal lengths: no padding
+        extra = {"prompt_lookup_num_tokens": 3} if prompt_lookup else {}
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, pad_token_id=0, **extra)
+        return out[:, ids.shape[1] :].tolist()
+
+    return run
+
+
+def timed(run: Callable, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    tokens = run(prompts)
+    return time.perf_counter() - start, tokens
+
+
+def format_table(rows: list[dict], batches: list[int]) -> str:
+    head = "| system | workers | " + " | ".join(f"batch {b}: tok/s per user | vs transformers" for b in batches)
+    lines = [head + " | acceptance length (batch 1) | same tokens as transformers |",
+             "|---|---|" + "---|---|" * len(batches) + "---|---|"]
+    for r in rows:
+        cells = []
+        for b in batches:
+            rate = r["tokens_per_s_per_user"].get(str(b))
+            ratio = r["ratio_to_transformers"].get(str(b))
+            cells.append("n/a | n/a" if rate is None else f"{rate:.1f} | {ratio:.2f}x")
+        accept = r.get("acceptance_length", {}).get("1")
+        lines.append(f"| {r['system']} | {r['workers'] or '-'} | " + " | ".join(cells)
+                     + f" | {'-' if accept is None else f'{accept:.2f}'} | {r['same_tokens']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], batches: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        label = r["system"] + (f", {r['workers']} worker{'s' if r['workers'] > 1 else ''}" if r["workers"] else "")
+        values = [r["tokens_per_s_per_user"].get(str(b)) or 0 for b in batches]
+        ax.bar([x + i * width for x in range(len(batches))], values, width, label=label)
+    ax.set_xticks([x + width * (len(rows) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("output tokens / s per user")
+    ax.set_title("Bundled tiny-maverick pair, greedy, same prompts (CPU)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="warpspec bench compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(BUNDLED_TARGET))
+    parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--workers", default="1,2", help="warpspec worker counts")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration (median kept)")
+    parser.add_argument("--dtype", default="float32", help="both engines compute in this dtype")
+    parser.add_argument("--run-dir", default="runs")
+    args = parser.parse_args(argv)
+    try:
+        from transformers import Llama4ForCausalLM
+    except ImportError:
+        raise SystemExit("the comparison runs transformers beside warpspec: pip install 'warpspec[test]'") from None
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = held_out_prompts()
+    if max(batches) > len(prompts):
+        raise SystemExit(f"--batch-sizes: at most {len(prompts)} (the bundled held-out prompts)")
+
+    reference = Llama4ForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
+    reference.generation_config.eos_token_id = None
+    systems: list[dict] = [{"system": HF_GREEDY, "workers": 0, "run": transformers_runner(reference, args.new_tokens,
+                                                                                          False)},
+                           {"system": HF_LOOKUP, "workers": 0, "batches": [1],  # transformers: batch 1 only
+                            "run": transformers_runner(reference, args.new_tokens, True)}]
+    with contextlib.ExitStack() as stack:
+        for workers in [int(w) for w in args.workers.split(",")]:
+            for name, draft in (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)):
+                llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=workers, draft=draft,
+                                              enable_prefix_caching=False))
+                systems.append({"system": name, "workers": workers, "llm": llm,
+                                "run": warpspec_runner(llm, args.new_tokens)})
+        for s in systems:  # warm up (and compile the drafts) outside the measurement
+            s["run"](prompts[:1])
+        results = {s["system"] + str(s["workers"]): {} for s in systems}
+        for batch in batches:
+            batch_prompts = prompts[:batch]
+            # Interleave the systems and repeat: this machine's speed drifts over a minute.
+            walls: dict[str, list[float]] = {key: [] for key in results}
+            for _ in range(args.repeats):
+                for s in systems:
+                    if batch not in s.get("batches", batches):
+                        continue
+                    if "llm" in s:
+                        s["llm"].engine.spec_stats = SpeculationStats()
+                    wall, tokens = timed(s["run"], batch_prompts)
+                    key = s["system"] + str(s["workers"])
+                    walls[key].append(wall)
+                    results[key][batch] = {"tokens": tokens, "acceptance_length":
+                                           s["llm"].engine.spec_stats.acceptance_length if "llm" in s else None}
+            for key, values in walls.items():
+                if values:
+                    results[key][batch]["tokens_per_s_per_user"] = args.new_tokens / sorted(values)[len(values) // 2]
+    rows = []
+    for s in systems:
+        measured = results[s["system"] + str(s["workers"])]
+        greedy = results[HF_GREEDY + "0"]
+        rows.append({
+            "system": s["system"], "workers": s["workers"],
+            "tokens_per_s_per_user": {str(b): m["tokens_per_s_per_user"] for b, m in measured.items()},
+            "ratio_to_transformers": {str(b): m["tokens_per_s_per_user"] / greedy[b]["tokens_per_s_per_user"]
+                                      for b, m in measured.items()},
+            "acceptance_length": {str(b): m["acceptance_length"] for b, m in measured.items()
+                                  if m["acceptance_length"]},
+            "same_tokens": all(m["tokens"] == greedy[b]["tokens"] for b, m in measured.items()),
+        })
+    table = format_table(rows, batches)
+    print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token held-out prompts, "
+          f"{args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs\n")
+    print(table)
+    out = Path(args.run_dir, "bench")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "compare.md").write_text(table + "\n")
+    plot(rows, batches, out / "compare.png")
+    print(f"\nwrote {out / 'compare.json'}, compare.md, compare.png")
+    return 0
