@@ -46,8 +46,9 @@ def _train_draft(args: argparse.Namespace) -> None:
     from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig
 
     config = TrainConfig(target=args.target, data=args.data, out=args.out, draft_vocab_size=args.draft_vocab_size,
-                         steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                         ttt_steps=args.ttt_steps, seed=args.seed)
+                         intermediate_size=args.intermediate_size, steps=args.steps, seq_len=args.seq_len,
+                         batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
+                         eval_every=args.eval_every, seed=args.seed)
     result = DraftTrainer(config).train()
     print(json.dumps(result))
     print(f"wrote the draft to {args.out}")
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", required=True, help="a text file, or JSONL with a 'text' field per line")
     train.add_argument("--out", required=True, help="where to write the draft (public EAGLE-3 format)")
     train.add_argument("--draft-vocab-size", type=int, default=1024)
+    train.add_argument("--intermediate-size", type=int, help="the draft layer's MLP width (default: the target's)")
+    train.add_argument("--eval-every", type=int, default=25, help="steps between held-out evaluations")
     train.add_argument("--steps", type=int, default=500)
     train.add_argument("--seq-len", type=int, default=128)
     train.add_argument("--batch-size", type=int, default=8)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -46,10 +47,12 @@ class TrainConfig:
     lr: float = 3e-3
     ttt_steps: int = 3
     val_fraction: float = 0.05
+    max_val_chunks: int = 64  # validation cost stays bounded on big corpora
+    eval_every: int = 25
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("draft_vocab_size", "seq_len", "batch_size", "steps", "ttt_steps"):
+        for name in ("draft_vocab_size", "seq_len", "batch_size", "steps", "ttt_steps", "max_val_chunks", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.seq_len < self.ttt_steps + 3:
@@ -97,7 +100,7 @@ class DraftTrainer:
         if len(chunks) < 4:
             raise ValueError(f"{config.data} gives {len(chunks)} chunks of {config.seq_len} tokens; need at least 4")
         random.Random(config.seed).shuffle(chunks)
-        num_val = max(1, int(len(chunks) * config.val_fraction))
+        num_val = min(max(1, int(len(chunks) * config.val_fraction)), config.max_val_chunks)
         self.val_chunks, self.train_chunks = chunks[:num_val], chunks[num_val:]
         blocks = config.batch_size * config.seq_len // 16 + config.batch_size
         self.target = ModelRunner(config.target, "float32", CacheConfig(block_size=16, num_blocks=blocks))
@@ -185,8 +188,11 @@ class DraftTrainer:
 
     def train(self) -> dict:
         rng = random.Random(self.config.seed)
-        progress = tqdm(range(self.config.steps), desc="train-draft", unit="step", disable=None)
+        # Shown in a log file too, at most every 10 s there.
+        progress = tqdm(range(self.config.steps), desc="train-draft", unit="step", mininterval=10)
         last: dict = {}
+        history: list[dict] = []
+        started = time.perf_counter()
         for step in progress:
             batch = rng.sample(self.train_chunks, min(self.config.batch_size, len(self.train_chunks)))
             loss, agreement = self.losses(batch)
@@ -196,11 +202,15 @@ class DraftTrainer:
             self.optimizer.step()
             self.scheduler.step()
             last = {"step": step + 1, "loss": loss.item(), "train_agreement": agreement}
-            if step % 25 == 0 or step == self.config.steps - 1:
+            if step % self.config.eval_every == 0 or step == self.config.steps - 1:
                 last["val_agreement"] = self.validate()
+                history.append({**last, "elapsed_s": round(time.perf_counter() - started, 1)})
                 progress.set_postfix(loss=f"{loss.item():.3f}",
-                                     val_top1=" ".join(f"{a:.2f}" for a in last["val_agreement"]))
+                                     val_top1=" ".join(f"{a:.2f}" for a in last["val_agreement"]), refresh=False)
         self.save()
+        report = {"config": asdict(self.config), "train_seconds": round(time.perf_counter() - started, 1),
+                  "train_chunks": len(self.train_chunks), "val_chunks": len(self.val_chunks), "history": history}
+        (Path(self.config.out) / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
         return last
 
     @torch.no_grad()
