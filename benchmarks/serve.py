@@ -8,6 +8,8 @@ request: TTFT from send to the first token, TPOT over the rest. Reported per pat
 and TTFT / TPOT p50, p90, p99; and the serving overhead (tokens/s lost, TPOT added). The two paths run
 interleaved over --repeats rounds (median kept): this machine's speed drifts. Writes
 runs/bench/serve.json and serve.md.
+
+`--autoscale` runs the autoscaling check instead (serving/autoscale_check.py): runs/bench/serve_autoscale.json.
 """
 
 from __future__ import annotations
@@ -181,12 +183,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="instead: check that sustained load adds a second replica that takes traffic, "
+                             "and that the deployment scales back down")
     args = parser.parse_args(argv)
 
     out_dir = Path(args.run_dir, "bench")
     model_dir = Path(args.model) if args.model else out_dir / "serve-model"
     if not (model_dir / "config.json").exists():
         create_random_checkpoint(model_dir, "small")
+    if args.autoscale:
+        from warpspec.serving.autoscale_check import run_autoscale_check
+
+        result = run_autoscale_check(model_dir, concurrency=args.concurrency)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "serve_autoscale.json").write_text(json.dumps(result, indent=2))
+        print(f"autoscaling: 2 replicas {result['scaled_up_after_s']:.1f} s into sustained load "
+              f"({args.concurrency} streams); replies per replica over the next "
+              f"{result['split_window_s']:g} s: {result['replies_per_replica']}; "
+              f"back to 1 replica {result['scaled_down_after_s']:.1f} s after the load stopped")
+        return 0
     engine_args = {"dtype": "float32", "enable_prefix_caching": False, "max_waiting_requests": 4096}
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
 

@@ -43,7 +43,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 
     Replicas (Ray Serve):
         min_replicas (1), max_replicas (1), initial_replicas (min_replicas), target_ongoing_requests (8):
-            the autoscaling_config; upscale_delay_s (10), downscale_delay_s (60).
+            the autoscaling_config; upscale_delay_s (10), downscale_delay_s (60), look_back_period_s (30).
         max_ongoing_requests (64): per replica, beyond it Serve queues the request.
         num_cpus (1), num_gpus (0): the replica actor's own resources (it runs the model itself when
             num_workers is 1 and executor is "auto"; Ray workers take theirs through a placement group).

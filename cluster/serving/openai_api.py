@@ -35,7 +35,8 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None = None) -> FastAPI:
+def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None = None,
+                     replica_id: str = "") -> FastAPI:
     app = FastAPI(title="warpspec", description="OpenAI-compatible API of a warpspec replica")
     template = chat_template or ChatTemplate.from_dir(engine.description.path, engine.tokenizer)
     model_name = engine.description.name
@@ -120,6 +121,6 @@ def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None =
     @app.get("/admin/stats")
     async def stats():
         snapshot = engine.stats()
-        return {**dataclasses.asdict(snapshot), "kv_cache_usage": snapshot.kv_cache_usage}
+        return {**dataclasses.asdict(snapshot), "kv_cache_usage": snapshot.kv_cache_usage, "replica": replica_id}
 
     return app

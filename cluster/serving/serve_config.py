@@ -41,6 +41,8 @@ class ServeConfig:
     max_ongoing_requests: int = 64
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
+    look_back_period_s: float | None = None  # window of the load average; None: Serve's default (30 s)
+    metrics_interval_s: float | None = None  # how often load is reported; None: Serve's default (10 s)
     num_cpus: float = 1.0  # the replica actor itself (with num_workers=1 and executor=auto it runs the model)
     num_gpus: float = 0.0  # likewise; Ray workers take their own GPUs through the placement group
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
@@ -64,6 +66,9 @@ class ServeConfig:
                   "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
         if self.initial_replicas is not None:
             config["initial_replicas"] = self.initial_replicas
+        for name in ("look_back_period_s", "metrics_interval_s"):
+            if getattr(self, name) is not None:
+                config[name] = getattr(self, name)
         return config
 
     @classmethod
@@ -78,7 +83,7 @@ class ServeConfig:
                     engine[name] = value
             elif name in own:
                 kind = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float,
-                        "bool": bool}[str(own[name].type)]
+                        "float | None": float, "bool": bool}[str(own[name].type)]
                 values[name] = _convert(name, raw, kind)
             else:
                 known = sorted(set(own) | set(ENGINE_ARGS))
