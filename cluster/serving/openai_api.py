@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from warpspec.sampling_params import InvalidRequestError
 from warpspec.serving.chat_template import ChatTemplate
@@ -29,6 +29,30 @@ def error_response(error: BaseException) -> JSONResponse:
     wire = wire_error(error)
     return JSONResponse({"error": {"message": wire.message, "type": wire.openai_type, "param": None,
                                    "code": wire.http_status}}, status_code=wire.http_status)
+
+
+class EventStreamResponse(Response):
+    """text/event-stream over an async iterator of events, on plain asyncio rather than Starlette's
+    StreamingResponse, whose anyio task group kept the response running after Serve cancelled it
+    for a client that disconnected (seen with Ray Serve 2.60, Starlette 1.10). Here the cancellation
+    lands in the engine stream and the iterator is closed however the response ends, which aborts the
+    engine request. (Serve's `receive` cannot tell: it reports http.disconnect as soon as the request
+    body has been read.)"""
+
+    def __init__(self, events: AsyncIterator[str]):
+        # Not Response.__init__: it would announce content-length 0.
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self.events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.events.aclose()
 
 
 def _sse(obj: dict | str) -> str:
@@ -84,7 +108,7 @@ def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None =
             finally:
                 await stream.aclose()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStreamResponse(events())
 
     @app.post("/v1/completions")
     async def completions(request: Request):
