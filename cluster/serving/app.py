@@ -48,6 +48,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         num_cpus (1), num_gpus (0): the replica actor's own resources (it runs the model itself when
             num_workers is 1 and executor is "auto"; Ray workers take theirs through a placement group).
         warmup (true): run one short request before the replica takes traffic.
+        stream_interval (1): streamed messages carry at least this many new tokens; each message costs
+            a few ms on the serving path, so a fast model on few CPUs streams cheaper in bunches.
         health_check_period_s (10).
     """
     config = ServeConfig.from_args(dict(args))
@@ -59,4 +61,4 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
     )
-    return deployment.bind(config.model, config.engine, config.model_name, config.warmup)
+    return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval)

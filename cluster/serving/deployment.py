@@ -64,11 +64,12 @@ def _match_threads_to_reserved_cpus() -> None:
 @serve.deployment(name="WarpspecServer")
 @serve.ingress()
 class WarpspecServer:
-    async def __init__(self, model: str, engine_options: dict, model_name: str | None = None, warmup: bool = True):
+    async def __init__(self, model: str, engine_options: dict, model_name: str | None = None, warmup: bool = True,
+                       stream_interval: int = 1):
         _match_threads_to_reserved_cpus()
         llm = AsyncLLM.from_options(model, **engine_options)
         metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
-        self.engine = ReplicaEngine(llm, model_name, metrics)
+        self.engine = ReplicaEngine(llm, model_name, metrics, stream_interval)
         self.service = GenerationService(self.engine)
         # Sent back with every unary reply, so a client (and the autoscaling check) sees which replica served it.
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -32,8 +32,15 @@ class ModelDescription:
 
 
 class ReplicaEngine:
-    def __init__(self, llm: AsyncLLM, model_name: str | None = None, metrics: ServingMetrics | None = None):
+    def __init__(self, llm: AsyncLLM, model_name: str | None = None, metrics: ServingMetrics | None = None,
+                 stream_interval: int = 1):
+        """stream_interval: streamed outputs after the first carry at least this many new tokens (the
+        last may carry fewer). Every message costs the serving path a few ms (replica -> proxy -> client: measured
+        +4 ms per token at one stream on 2 CPU cores), so fast models stream cheaper in bunches."""
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
         self.llm = llm
+        self.stream_interval = stream_interval
         config = llm.config
         self.description = ModelDescription(
             name=model_name or Path(config.model).name, path=config.model,
@@ -60,6 +67,7 @@ class ReplicaEngine:
         client_id = request_id or uuid.uuid4().hex
         engine_id = f"{client_id}#{uuid.uuid4().hex[:12]}"
         finished = False
+        held: list[RequestOutput] = []  # outputs not yet passed on (stream_interval > 1)
         try:
             async for out in self.llm.generate(prompt, params, request_id=engine_id):
                 out.request_id = client_id
@@ -68,7 +76,12 @@ class ReplicaEngine:
                     if self.metrics is not None:
                         self.metrics.record_finished(out)
                         self.metrics.record_stats(self.stats())
-                yield out
+                held.append(out)
+                # The first token goes out at once (time to first token); later ones in bunches.
+                num_held = sum(len(o.new_token_ids) for o in held)
+                if out.finished or num_held >= self.stream_interval or num_held == len(out.token_ids):
+                    yield _merge_deltas(held)
+                    held = []
         except Exception as e:
             finished = True  # refused or failed, not abandoned
             if isinstance(e, EngineError) and not isinstance(e, EngineOverloadedError):
@@ -105,3 +118,12 @@ class ReplicaEngine:
 
     async def shutdown(self) -> None:
         await self.llm.shutdown()
+
+
+def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """The last output, carrying the new tokens and text of all: [a: +[5], b: +[7, 9]] -> b: +[5, 7, 9]."""
+    last = outputs[-1]
+    if len(outputs) > 1:
+        last.new_token_ids = [t for o in outputs for t in o.new_token_ids]
+        last.new_text = "".join(o.new_text for o in outputs)
+    return last

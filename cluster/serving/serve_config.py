@@ -46,6 +46,7 @@ class ServeConfig:
     num_cpus: float = 1.0  # the replica actor itself (with num_workers=1 and executor=auto it runs the model)
     num_gpus: float = 0.0  # likewise; Ray workers take their own GPUs through the placement group
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
+    stream_interval: int = 1  # new tokens per streamed message at least (1: every step's tokens at once)
     health_check_period_s: float = 10.0
     engine: dict[str, Any] = field(default_factory=dict)  # AsyncLLM.from_options keyword arguments
 

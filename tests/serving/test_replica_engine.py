@@ -76,3 +76,20 @@ def test_unexpected_errors_never_carry_a_traceback():
     except KeyError as e:
         wire = wire_error(e)
     assert wire.grpc_code == grpc.StatusCode.INTERNAL and "\n" not in wire.message and "KeyError" in wire.message
+
+
+def test_stream_interval_bunches_deltas_without_changing_them(serving_checkpoint):
+    async def main():
+        from warpspec.sampling_params import SamplingParams
+
+        engine = ReplicaEngine(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=128,
+                                                     num_kv_blocks=32), "tiny", stream_interval=3)
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        outs = [out async for out in engine.stream("def main():", params)]
+        # The first token at once, then bunches of 3; the last one carries the rest.
+        assert [len(o.new_token_ids) for o in outs] == [1, 3, 3, 3]
+        assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
+        assert "".join(o.new_text for o in outs) == outs[-1].text
+        await engine.shutdown()
+
+    asyncio.run(main())
