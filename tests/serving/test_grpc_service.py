@@ -154,3 +154,10 @@ def test_concurrent_streams_reusing_one_request_id(stub, serving_stack, referenc
     futures = [stub.Generate.future(_request(max_tokens=8, temperature=0.0), timeout=60) for _ in range(4)]
     assert [f.result().text for f in futures] == [expected] * 4
     serving_stack.wait_idle()
+
+
+def test_server_reflection_lists_the_services(channel):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"warpspec.v1.Generation", "grpc.health.v1.Health"} <= services
