@@ -140,5 +140,8 @@ class WarpspecServer:
         return self.engine.stats()
 
     async def __del__(self):
-        self.stats_task.cancel()
-        await self.engine.shutdown()
+        # A constructor that failed (a bad checkpoint) leaves some of these unset.
+        if getattr(self, "stats_task", None) is not None:
+            self.stats_task.cancel()
+        if getattr(self, "engine", None) is not None:
+            await self.engine.shutdown()
