@@ -23,13 +23,17 @@ from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as rpc
 
 
-def main(config_path: str, model: str, http_port: int, grpc_port: int, temp_dir: str) -> dict:
+def main(config_path: str, http_port: int, grpc_port: int, temp_dir: str) -> dict:
     config = yaml.safe_load(Path(config_path).read_text())
-    # Only what cannot travel: free ports on this machine and a checkpoint that exists here.
+    # Only what cannot travel: free ports on this machine, and checkpoint paths made absolute (they
+    # are relative to the repository, where `serve deploy` would be run from).
     config["http_options"].update(host="127.0.0.1", port=http_port)
     config["grpc_options"]["port"] = grpc_port
+    repo = Path(config_path).resolve().parents[1]
     for app in config["applications"]:
-        app["args"]["model"] = model
+        for key in ("model", "draft"):
+            if app["args"].get(key):
+                app["args"][key] = str(repo / app["args"][key])
     schema = ServeDeploySchema.model_validate(config)
     # address="local": a new cluster even when another is running on this machine.
     ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
@@ -68,5 +72,5 @@ def main(config_path: str, model: str, http_port: int, grpc_port: int, temp_dir:
 if __name__ == "__main__":
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    config_path, model, http_port, grpc_port, temp_dir = sys.argv[1:]
-    print(json.dumps(main(config_path, model, int(http_port), int(grpc_port), temp_dir)))
+    config_path, http_port, grpc_port, temp_dir = sys.argv[1:]
+    print(json.dumps(main(config_path, int(http_port), int(grpc_port), temp_dir)))

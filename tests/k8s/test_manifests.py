@@ -33,7 +33,8 @@ SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
 # Builder args that size one deployment (paths, GPUs, precision, capacity); every other key and value of
 # the two Serve configs must be the same.
 DEPLOYMENT_SPECIFIC_ARGS = {"model", "draft", "num_workers", "dtype", "device", "kv_cache_memory_gib",
-                            "max_model_len", "min_replicas", "max_replicas", "target_ongoing_requests"}
+                            "max_model_len", "min_replicas", "max_replicas", "target_ongoing_requests",
+                            "placement_timeout_s"}
 
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each: libyaml parses them in 1 s
 
@@ -317,17 +318,14 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_config_file_deploys_and_answers_grpc_health_and_http(tmp_path):
+def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
     # deploy/serve_config.yaml as `serve deploy` runs it (the controller builds import_path with args),
-    # on a tiny random checkpoint: what the k8s probes and clients rely on, minus the GPUs.
+    # on the bundled model pair it names: what the k8s probes and clients rely on, minus the GPUs.
     if importlib.util.find_spec("warpspec.serving.app") is None:
         pytest.skip("warpspec.serving.app (the Serve application builder) does not exist yet")
-    from warpspec.random_checkpoint import create_random_checkpoint
-
-    model = create_random_checkpoint(tmp_path / "tiny", "tiny")
     temp_dir = tempfile.mkdtemp(prefix="ws-k8s-")  # Ray's unix sockets need a short path
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
-    command = [sys.executable, str(Path(__file__).with_name("deploy_config.py")), str(SERVE_CONFIG), str(model),
+    command = [sys.executable, str(Path(__file__).with_name("deploy_config.py")), str(SERVE_CONFIG),
                str(free_port()), str(free_port()), temp_dir]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO, start_new_session=True)
