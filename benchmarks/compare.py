@@ -36,8 +36,9 @@ def transformers_runner(model, new_tokens: int, prompt_lookup: bool) -> Callable
         ids = torch.tensor(prompts)  # equal lengths: no padding
         extra = {"prompt_lookup_num_tokens": 3} if prompt_lookup else {}
         with torch.no_grad():
+            # eos is unset on the model (main), so every run produces exactly new_tokens.
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, pad_token_id=0, **extra)
+                                 pad_token_id=0, **extra)
         return out[:, ids.shape[1] :].tolist()
 
     return run
