@@ -122,7 +122,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.remove(seq)
-        self.released.append(request_id)
+        self._release(request_id)
         seq.finish("abort")
         return seq.to_output()
 
@@ -187,7 +187,7 @@ class LLMEngine:
         for seq in finished:
             self.scheduler.remove(seq)
             del self.requests[seq.request_id]
-            self.released.append(seq.request_id)
+            self._release(seq.request_id)
         if self.proposer is not None:
             draft_start = time.perf_counter()
             self._propose(sched.scheduled, output.aux_hidden, num_rejected)
@@ -269,6 +269,11 @@ class LLMEngine:
         if self.released:
             self.proposer.release(self.released)
             self.released = []
+
+    def _release(self, request_id: str) -> None:
+        """Tell the proposer (with its next call) to forget a request that left."""
+        if self.proposer is not None:
+            self.released.append(request_id)
 
     def _logits_from(self, item: ScheduledSequence) -> int:
         """First of the step's tokens whose logits are needed: all of them while prompt logprobs are
