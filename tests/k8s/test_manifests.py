@@ -342,4 +342,4 @@ def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
     assert report["status"] == "RUNNING", f"{SERVE_CONFIG.name} failed to deploy: {report['message'][-2000:]}"
     assert report["health"] == "SERVING"
     assert report["num_generated"] >= 1
-    assert report["models"] == ["tiny"]  # the checkpoint folder's name
+    assert report["models"] == ["tiny-maverick"]  # the checkpoint folder's name
