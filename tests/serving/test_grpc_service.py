@@ -3,6 +3,8 @@ health client; every bad input gets its status, and the replica neither leaks KV
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -143,7 +145,14 @@ def test_deadlines_and_cancellation_free_the_kv_cache(stub, serving_stack):
 
     stats = serving_stack.wait_idle()  # asserts every KV block is free again
     # The cancel, and the deadline when the request had started (on a loaded machine it may not have).
-    assert stats["num_aborted"] >= before + 1 + (received > 0)
+    # An abandoned stream's wrapper is finalised by the event loop a moment after its engine request
+    # was aborted (seen once in CI: 1 of 2 counted when the KV was already free), so allow it a while.
+    expected = before + 1 + (received > 0)
+    deadline = time.monotonic() + 10
+    while stats["num_aborted"] < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = serving_stack.wait_idle()
+    assert stats["num_aborted"] >= expected
     assert stats["is_healthy"]
     # And the replica still serves.
     assert stub.Generate(_request(max_tokens=3, temperature=0.0), timeout=30).usage.completion_tokens == 3
