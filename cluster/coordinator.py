@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from warpspec.config import EngineConfig
 from warpspec.coordinator_proposer import DraftServer, load_eagle3_proposer
 from warpspec.errors import PlacementError, WorkerDiedError
-from warpspec.workers.comm import CommInit
+from warpspec.workers.comm import CollectiveError, CommInit
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
@@ -150,7 +150,9 @@ class Coordinator:
             else:
                 replies = ray.get([w.execute.remote(step_bytes) for w in self.workers])
         except (RayActorError, RayTaskError) as e:
-            if isinstance(e, RayTaskError) and not isinstance(e.cause, RayActorError):
+            # A rank whose peer died usually reports the broken collective before Ray reports the dead
+            # actor: both mean the replica is gone.
+            if isinstance(e, RayTaskError) and not isinstance(e.cause, RayActorError | CollectiveError):
                 raise e.cause from None
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None

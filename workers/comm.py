@@ -8,6 +8,7 @@ the reduction with the residual add and the norm.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,22 @@ class CommInit:
     nccl_unique_id: bytes = b""  # nccl: made by rank 0 with make_nccl_unique_id()
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died or became unreachable. The group cannot be used again."""
+
+
+@contextlib.contextmanager
+def collective_failures(backend: str):
+    """Turn a backend's failure inside a collective (gloo: "Connection closed by peer", NCCL errors)
+    into CollectiveError, so the coordinator tells a broken replica from a bad request."""
+    try:
+        yield
+    except NotImplementedError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(f"{backend} collective failed: {str(e).splitlines()[0][:300]}") from None
+
+
 class Communicator:
     def __init__(self, rank: int = 0, world_size: int = 1):
         self.rank = rank
@@ -40,14 +57,16 @@ class Communicator:
         if self.world_size == 1:
             return x
         self.num_collectives += 1
-        return self._all_reduce(x.contiguous())
+        with collective_failures(type(self).__name__):
+            return self._all_reduce(x.contiguous())
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's x along dim on rank 0; None on the other ranks."""
         if self.world_size == 1:
             return x
         self.num_collectives += 1
-        parts = self._gather(x.contiguous())
+        with collective_failures(type(self).__name__):
+            parts = self._gather(x.contiguous())
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def allreduce_residual_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor | None,
