@@ -1,10 +1,10 @@
-"""Compute kernels. Every op has a plain torch reference here; GPU versions arrive behind the same
-signatures (see the GPU-path issue)."""
+"""Compute kernels. Every op has a plain torch reference and a Triton version with the same
+signature (kernels/triton/); `dispatch.use_triton` picks Triton for CUDA tensors."""
 
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention, write_kv_cache
 from warpspec.kernels.moe import moe_experts, route_topk_sigmoid
 from warpspec.kernels.norm import add_rms_norm, l2_norm, rms_norm
-from warpspec.kernels.rope import apply_rope_interleaved
+from warpspec.kernels.rope import apply_rope_interleaved, rope_qk_norm
 
 __all__ = [
     "PagedAttentionMetadata",
@@ -14,6 +14,7 @@ __all__ = [
     "moe_experts",
     "paged_attention",
     "rms_norm",
+    "rope_qk_norm",
     "route_topk_sigmoid",
     "write_kv_cache",
 ]

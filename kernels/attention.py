@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache, torch reference.
+"""Attention over the paged KV cache: torch reference here, Triton version on CUDA tensors
+(kernels/triton/attention.py).
 
 One op serves prefill (many queries per sequence), decode (one) and speculative verification (k+1):
 each sequence's queries are the LAST `query_len` positions of its `seq_len` tokens. RoPE layers of
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from warpspec.kernels.dispatch import use_triton
 
 
 class PagedAttentionMetadata:
@@ -34,6 +37,14 @@ class PagedAttentionMetadata:
         self.slots = (block_tables.long()[:, self.kv_positions // block_size] * block_size
                       + self.kv_positions % block_size)
         self.seq_lens = seq_lens
+        self.block_tables = block_tables
+        self.block_size = block_size
+        # What the Triton kernel needs instead of the padded views: each token's sequence and position.
+        # query_lens [2, 1], seq_lens [7, 4] -> token_seq [0, 0, 1], token_pos [5, 6, 3].
+        self.token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), query_lens,
+                                                 output_size=self.num_tokens)
+        token_offset = torch.arange(self.num_tokens, device=device) - query_start_loc[:-1][self.token_seq]
+        self.token_pos = (seq_lens - query_lens)[self.token_seq] + token_offset
         self.masks: dict[int | None, torch.Tensor] = {}
 
     def mask(self, chunk_size: int | None) -> torch.Tensor:
@@ -54,6 +65,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     meta: PagedAttentionMetadata, scale: float, chunk_size: int | None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim]; key/value_cache [num_blocks, block_size, num_kv_heads,
     head_dim]. Returns [num_tokens, num_heads, head_dim]."""
+    if use_triton(query):
+        from warpspec.kernels.triton.attention import paged_attention_triton
+
+        return paged_attention_triton(query, key_cache, value_cache, meta, scale, chunk_size)
+    return paged_attention_reference(query, key_cache, value_cache, meta, scale, chunk_size)
+
+
+def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              meta: PagedAttentionMetadata, scale: float, chunk_size: int | None) -> torch.Tensor:
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     q = query[:, None] if meta.is_decode else query[meta.token_index]  # [num_seqs, max_q, heads, dim]
     k = key_cache.view(-1, num_kv_heads, head_dim)[meta.slots]

@@ -1,8 +1,15 @@
-"""Llama 4 mixture-of-experts reference: sigmoid top-k routing and a gather-by-expert compute that
-touches only the experts that received tokens (transformers runs every expert densely)."""
+"""Llama 4 mixture-of-experts: sigmoid top-k routing and a grouped expert compute that touches only
+the experts that received tokens (transformers runs every expert densely).
+
+Expert weights may be FP8 (float8_e4m3fn) with per-output-channel scales, gate_up_scale [E, 2I] and
+down_scale [E, H]: W = float(W_fp8) * scale. The references dequantize the experts they use; the
+Triton versions (kernels/triton/moe.py, on CUDA tensors) dequantize tile by tile inside the GEMM.
+"""
 
 import torch
 import torch.nn.functional as F
+
+from warpspec.kernels.dispatch import use_triton
 
 
 def route_topk_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -10,6 +17,14 @@ def route_topk_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
 
     The sigmoid is taken of the chosen logits only (unchosen experts weigh exactly 0), in float32 and
     cast back, as transformers does."""
+    if use_triton(router_logits):
+        from warpspec.kernels.triton.moe import route_topk_sigmoid_triton
+
+        return route_topk_sigmoid_triton(router_logits, top_k)
+    return route_topk_sigmoid_reference(router_logits, top_k)
+
+
+def route_topk_sigmoid_reference(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)
     scores = torch.sigmoid(top_logits.float()).to(router_logits.dtype)
     return expert_ids, scores
@@ -22,6 +37,8 @@ def moe_experts(
     expert_ids: torch.Tensor,
     scores: torch.Tensor,
     first_expert: int = 0,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over each token's chosen experts of expert_e(x * score_e). The score scales the INPUT.
 
@@ -29,6 +46,24 @@ def moe_experts(
     down_proj [num_local, inter, hidden]; expert_ids/scores [num_tokens, k]. Experts outside
     [first_expert, first_expert + num_local) belong to another rank and contribute nothing here.
     """
+    if use_triton(x):
+        from warpspec.kernels.triton.moe import moe_experts_triton
+
+        return moe_experts_triton(x, gate_up_proj, down_proj, expert_ids, scores, first_expert,
+                                  gate_up_scale, down_scale)
+    return moe_experts_reference(x, gate_up_proj, down_proj, expert_ids, scores, first_expert,
+                                 gate_up_scale, down_scale)
+
+
+def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's [in, out] weight in dtype; FP8 weights times their per-output-channel scale [out]."""
+    if scale is None:
+        return weight
+    return (weight.float() * scale.float()[None, :]).to(dtype)
+
+
+def moe_experts_reference(x, gate_up_proj, down_proj, expert_ids, scores, first_expert=0,
+                          gate_up_scale=None, down_scale=None) -> torch.Tensor:
     num_local = gate_up_proj.shape[0]
     flat_ids = expert_ids.reshape(-1) - first_expert
     token_of = torch.arange(x.shape[0], device=x.device).repeat_interleave(expert_ids.shape[1])
@@ -43,8 +78,12 @@ def moe_experts(
     outputs = []
     for expert, chunk in enumerate(expert_in.split(counts)):
         if chunk.shape[0]:
-            gate, up = (chunk @ gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append((F.silu(gate) * up) @ down_proj[expert])
+            w_gate_up = dequantize_expert(gate_up_proj[expert], None if gate_up_scale is None
+                                          else gate_up_scale[expert], x.dtype)
+            w_down = dequantize_expert(down_proj[expert], None if down_scale is None else down_scale[expert],
+                                       x.dtype)
+            gate, up = (chunk @ w_gate_up).chunk(2, dim=-1)
+            outputs.append((F.silu(gate) * up) @ w_down)
     out = torch.zeros_like(x)
     if outputs:
         out.index_add_(0, tokens, torch.cat(outputs).to(x.dtype))  # bf16 under autocast in training

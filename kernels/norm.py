@@ -1,8 +1,12 @@
 """RMSNorm and its fused residual form, rounded exactly as transformers' Llama4TextRMSNorm:
-normalise in float32, cast back to the input dtype, then scale by the weight in that dtype."""
+normalise in float32, cast back to the input dtype, then scale by the weight in that dtype.
+
+Each op dispatches to its Triton version on CUDA tensors (kernels/triton/norm.py)."""
 
 import torch
 import torch.nn.functional as F
+
+from warpspec.kernels.dispatch import use_triton
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -11,7 +15,11 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return l2_norm(x, eps) * weight
+    if use_triton(x):
+        from warpspec.kernels.triton.norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 def add_rms_norm(
@@ -20,5 +28,19 @@ def add_rms_norm(
     """(normed, new_residual) with new_residual = residual + x. [num_tokens, hidden] each.
 
     The sharded path puts the all-reduce of `x` in front of this (one fused collective)."""
+    if use_triton(x):
+        from warpspec.kernels.triton.norm import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return l2_norm(x, eps) * weight
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = residual + x
-    return rms_norm(new_residual, weight, eps), new_residual
+    return rms_norm_reference(new_residual, weight, eps), new_residual

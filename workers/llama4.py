@@ -15,10 +15,9 @@ from torch import nn
 
 from warpspec.kernels import (
     PagedAttentionMetadata,
-    apply_rope_interleaved,
-    l2_norm,
     moe_experts,
     paged_attention,
+    rope_qk_norm,
     route_topk_sigmoid,
     write_kv_cache,
 )
@@ -100,9 +99,7 @@ class Llama4Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.uses_rope:
-            q, k = apply_rope_interleaved(q, freqs_cis), apply_rope_interleaved(k, freqs_cis)
-            if self.uses_qk_norm:
-                q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
+            q, k = rope_qk_norm(q, k, freqs_cis, self.eps if self.uses_qk_norm else None)
         elif self.uses_temperature_tuning:
             # Longer contexts sharpen NoPE attention: q *= 1 + attn_scale * log1p(floor((p+1) / floor_scale)).
             scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
