@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ray
 
 from warpspec.config import EngineConfig
@@ -57,6 +59,9 @@ class CoordinatorActor:
 
     def worker_pids(self) -> list[int]:
         return self.coordinator.worker_pids()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def shutdown(self) -> None:
         if self.coordinator is not None:

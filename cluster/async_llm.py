@@ -14,7 +14,7 @@ from typing import Any
 
 from warpspec.config import EngineConfig, engine_config
 from warpspec.engine import LLMEngine, Prompt
-from warpspec.errors import EngineOverloadedError
+from warpspec.errors import EngineError, EngineOverloadedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.sequence import Sequence
@@ -29,6 +29,7 @@ class AsyncLLM:
         self.pending_aborts: list[str] = []
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
+        self.is_rebuilding = False
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> AsyncLLM:
@@ -46,6 +47,8 @@ class AsyncLLM:
         that went away) aborts the request. Bad requests raise InvalidRequestError and a full queue
         EngineOverloadedError, both before anything is queued."""
         request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if self.is_rebuilding:
+            raise EngineError("the engine is being rebuilt after a failure; retry shortly")
         if request_id in self.streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
         seq = self.engine.make_sequence(request_id, prompt, params)
@@ -77,6 +80,25 @@ class AsyncLLM:
         """Stop a request; its KV blocks are released before the next step."""
         self.pending_aborts.append(request_id)
         self._wake()
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every stream in flight with error (each request is aborted, its KV blocks freed)."""
+        for request_id, queue in list(self.streams.items()):
+            queue.put_nowait(error)
+            self.abort(request_id)
+
+    async def rebuild(self) -> None:
+        """Replace the engine with a fresh one from the same config, after a fatal failure (a dead
+        worker or coordinator): new actors, placement group and weights, an empty KV and prefix cache.
+        The old engine's requests have already failed. Builds in a thread, so the event loop keeps
+        answering (health checks, requests refused meanwhile)."""
+        self.is_rebuilding = True
+        try:
+            old, self.pending_adds = self.engine, []
+            await asyncio.to_thread(old.shutdown)
+            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+        finally:
+            self.is_rebuilding = False
 
     async def shutdown(self) -> None:
         if self.loop_task is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config import EngineConfig
@@ -34,6 +34,9 @@ class ReplicaInfo:
     workers: list[WorkerInfo]
     dispatch: str
     draft_aux_layer_ids: tuple[int, ...] | None = None  # when the coordinator runs an EAGLE-3 draft
+    # The workers' bundles. Ray ties a group to the job, not to the actor that made it: whoever holds
+    # the coordinator removes it when the coordinator dies (which kills any worker still in it).
+    placement_group: PlacementGroup | None = None
 
 
 @dataclass
@@ -137,7 +140,8 @@ class Coordinator:
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.parallel.num_workers, min(i.num_blocks for i in self.infos), self.infos,
-                           self.parallel.dispatch, self.drafter.proposer.aux_layer_ids if self.drafter else None)
+                           self.parallel.dispatch, self.drafter.proposer.aux_layer_ids if self.drafter else None,
+                           self.placement_group)
 
     def execute(self, step_bytes: bytes) -> bytes:
         """Encoded StepInput -> rank 0's encoded StepOutput."""

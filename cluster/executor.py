@@ -7,6 +7,7 @@ import contextlib
 
 import ray
 from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
 
 from warpspec.config import EngineConfig
 from warpspec.coordinator import DispatchTiming, unwrap_ray_errors
@@ -70,12 +71,18 @@ class RayExecutor:
     def worker_pids(self) -> list[int]:
         return ray.get(self.coordinator.worker_pids.remote())
 
-    def shutdown(self) -> None:
-        # A dead coordinator cannot answer; its workers die with it (actors are fate-shared with their
-        # creator) and its placement group is removed by Ray, so there is nothing left to release.
+    def coordinator_pid(self) -> int:
+        return ray.get(self.coordinator.pid.remote())
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Release the coordinator, its workers and their placement group. A dead coordinator cannot
+        answer, and Ray keeps the group it created until the job ends: removing the group here kills
+        any worker still in it."""
         with contextlib.suppress(Exception):
-            ray.get(self.coordinator.shutdown.remote(), timeout=30)
+            ray.get(self.coordinator.shutdown.remote(), timeout=timeout_s)
         ray.kill(self.coordinator)
+        with contextlib.suppress(Exception):  # already removed by a coordinator that shut down cleanly
+            remove_placement_group(self.info.placement_group)
 
 
 def make_executor(config: EngineConfig) -> LocalExecutor | RayExecutor:

@@ -10,8 +10,15 @@ Two ingresses reach it:
 - HTTP: the OpenAI app of openai_api.py, built per replica by `__serve_build_asgi_app__` (so its
   routes close over this replica's engine rather than a pickled copy).
 
-Serve calls `check_health` every health_check_period_s; it fails once a step failed fatally (a dead
-worker), and Serve then replaces the replica.
+Faults and shutdown:
+- a step that fails fatally (a worker or the coordinator died) fails the requests in flight with
+  UNAVAILABLE / 503 and starts rebuilding the engine in place (ReplicaEngine); `check_health` fails
+  until it is back. If rebuilding fails, or outlasts Serve's patience (3 failed checks, one every
+  health_check_period_s), Serve replaces the whole replica instead.
+- scale-down and redeploys: Serve stops routing to the replica and waits up to
+  graceful_shutdown_timeout_s for its requests; `__del__` then ends any stragglers (UNAVAILABLE) after
+  drain_timeout_s and releases the coordinator, workers and placement group. A replica killed outright
+  releases them too: its coordinator is fate-shared with it, and the placement group with the coordinator.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ from ray import serve
 
 from warpspec.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
-from warpspec.sampling_params import SamplingParams
+from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.grpc_service import GenerationService
+from warpspec.serving.limits import RequestLimits
 from warpspec.serving.metrics import EngineStats, ServingMetrics
 from warpspec.serving.openai_api import build_openai_app
-from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.replica_engine import ReplicaEngine, ReplicaProcesses
 from warpspec.serving.wire_errors import wire_error
 
 logger = logging.getLogger("warpspec.serving")
@@ -65,24 +73,20 @@ def _match_threads_to_reserved_cpus() -> None:
 @serve.ingress()
 class WarpspecServer:
     async def __init__(self, model: str, engine_options: dict, model_name: str | None = None, warmup: bool = True,
-                       stream_interval: int = 1):
+                       stream_interval: int = 1, drain_timeout_s: float = 5.0, limits: RequestLimits | None = None,
+                       auth: ApiKeyAuth | None = None):
         _match_threads_to_reserved_cpus()
         llm = AsyncLLM.from_options(model, **engine_options)
         metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
         self.engine = ReplicaEngine(llm, model_name, metrics, stream_interval)
-        self.service = GenerationService(self.engine)
+        self.drain_timeout_s = drain_timeout_s
+        self.limits, self.auth = limits or RequestLimits(), auth  # auth None: no API key required
+        self.service = GenerationService(self.engine, self.limits, auth)
         # Sent back with every unary reply, so a client (and the autoscaling check) sees which replica served it.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        if warmup:
-            await self._warm_up()
+        if warmup:  # the replica counts as started (and gets traffic) only after this
+            await self.engine.warm_up()
         self.stats_task = asyncio.get_running_loop().create_task(self._sample_stats(metrics))
-
-    async def _warm_up(self) -> None:
-        """One 2-token greedy request: the first step builds attention metadata paths and, with a draft,
-        compiles it; the replica counts as started (and gets traffic) only after this."""
-        async for _ in self.engine.llm.generate([0, 1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                                                request_id="warmup"):
-            pass
 
     async def _sample_stats(self, metrics: ServingMetrics) -> None:
         while True:
@@ -91,7 +95,7 @@ class WarpspecServer:
             await asyncio.sleep(STATS_PERIOD_S)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self.engine, replica_id=self.replica_id)
+        return build_openai_app(self.engine, replica_id=self.replica_id, limits=self.limits, auth=self.auth)
 
     # ---- gRPC: warpspec.v1.Generation ----------------------------------------------------------
 
@@ -99,6 +103,7 @@ class WarpspecServer:
         if grpc_context is not None:
             grpc_context.set_trailing_metadata([(REPLICA_METADATA_KEY, self.replica_id)])
         try:
+            self.service.authorize(grpc_context)
             return await self.service.generate(request)
         except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
             _set_status(grpc_context, e)
@@ -106,6 +111,7 @@ class WarpspecServer:
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):  # noqa: N802
         try:
+            self.service.authorize(grpc_context)
             async for response in self.service.generate_stream(request):
                 yield response
         except Exception as e:  # noqa: BLE001
@@ -113,13 +119,19 @@ class WarpspecServer:
 
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
         try:
+            self.service.authorize(grpc_context)
             return self.service.tokenize(request)
         except Exception as e:  # noqa: BLE001
             _set_status(grpc_context, e)
             return pb.TokenizeResponse()
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
-        return self.service.model_info(request)
+        try:
+            self.service.authorize(grpc_context)
+            return self.service.model_info(request)
+        except Exception as e:  # noqa: BLE001
+            _set_status(grpc_context, e)
+            return pb.ModelInfo()
 
     # ---- gRPC: grpc.health.v1.Health -------------------------------------------------------------
 
@@ -139,9 +151,12 @@ class WarpspecServer:
     async def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    async def processes(self) -> ReplicaProcesses:
+        return self.engine.processes()
+
     async def __del__(self):
         # A constructor that failed (a bad checkpoint) leaves some of these unset.
         if getattr(self, "stats_task", None) is not None:
             self.stats_task.cancel()
         if getattr(self, "engine", None) is not None:
-            await self.engine.shutdown()
+            await self.engine.shutdown(self.drain_timeout_s)

@@ -6,6 +6,11 @@ Plain class, no Ray Serve: the deployment composes it, tests and benchmarks can 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +22,20 @@ from warpspec.errors import EngineError, EngineOverloadedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.serving.metrics import EngineStats, ServingMetrics
+
+logger = logging.getLogger("warpspec.serving")
+
+
+@dataclass
+class ReplicaProcesses:
+    """What a replica holds, for operators and the fault tests: its own process and, with Ray
+    workers, its coordinator's and workers' (None / [] when the model runs in the replica)."""
+    pid: int
+    rss_bytes: int
+    coordinator_pid: int | None
+    worker_pids: list[int]
+    num_rebuilds: int
+    failure: str | None
 
 
 @dataclass(frozen=True)
@@ -33,10 +52,12 @@ class ModelDescription:
 
 class ReplicaEngine:
     def __init__(self, llm: AsyncLLM, model_name: str | None = None, metrics: ServingMetrics | None = None,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, rebuild_on_failure: bool = True):
         """stream_interval: streamed outputs after the first carry at least this many new tokens (the
         last may carry fewer). Every message costs the serving path a few ms (replica -> proxy -> client: measured
-        +4 ms per token at one stream on 2 CPU cores), so fast models stream cheaper in bunches."""
+        +4 ms per token at one stream on 2 CPU cores), so fast models stream cheaper in bunches.
+        rebuild_on_failure: after a fatal step failure (a dead worker or coordinator) rebuild the engine
+        in place (new actors, placement group, weights); the replica is unhealthy until it is back."""
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
         self.llm = llm
@@ -52,6 +73,10 @@ class ReplicaEngine:
         # and its health check fails, so Serve replaces it.
         self.failure: str | None = None
         self.num_aborted = 0  # requests whose client went away before they finished
+        self.rebuild_on_failure = rebuild_on_failure
+        self.rebuild_task: asyncio.Task | None = None
+        self.num_rebuilds = 0
+        self.is_draining = False
 
     @property
     def tokenizer(self):
@@ -62,8 +87,7 @@ class ReplicaEngine:
         """AsyncLLM.generate under a replica-unique engine id; outputs carry the client's request_id
         (clients may reuse ids, even concurrently, without colliding). Closing the iterator aborts the
         request and frees its KV blocks."""
-        if self.failure is not None:
-            raise EngineError(f"this replica cannot serve: {self.failure}")
+        self.check_health()
         client_id = request_id or uuid.uuid4().hex
         engine_id = f"{client_id}#{uuid.uuid4().hex[:12]}"
         finished = False
@@ -84,8 +108,8 @@ class ReplicaEngine:
                     held = []
         except Exception as e:
             finished = True  # refused or failed, not abandoned
-            if isinstance(e, EngineError) and not isinstance(e, EngineOverloadedError):
-                self.failure = str(e).splitlines()[0]
+            if isinstance(e, EngineError) and not isinstance(e, EngineOverloadedError | ReplicaDrainingError):
+                self._fail(str(e).splitlines()[0])
             raise
         finally:
             # Closed early (client cancel, deadline, disconnect: CancelledError or GeneratorExit here):
@@ -113,11 +137,80 @@ class ReplicaEngine:
 
     def check_health(self) -> None:
         """Raises when the replica cannot serve (Serve's health check, the gRPC health service)."""
+        if self.is_draining:
+            raise ReplicaDrainingError("this replica is shutting down; retry on another")
         if self.failure is not None:
-            raise EngineError(f"this replica cannot serve: {self.failure}")
+            doing = " (rebuilding its workers)" if self.rebuild_task is not None else ""
+            raise EngineError(f"this replica cannot serve{doing}: {self.failure}")
 
-    async def shutdown(self) -> None:
+    def processes(self) -> ReplicaProcesses:
+        import psutil
+
+        executor = self.llm.engine.executor
+        coordinator_pid, worker_pids = None, []
+        if hasattr(executor, "coordinator") and self.failure is None:
+            coordinator_pid, worker_pids = executor.coordinator_pid(), executor.worker_pids()
+        return ReplicaProcesses(os.getpid(), psutil.Process().memory_info().rss, coordinator_pid, worker_pids,
+                                self.num_rebuilds, self.failure)
+
+    async def warm_up(self) -> None:
+        """One 2-token greedy request: the first step builds attention metadata paths and, with a draft,
+        compiles it."""
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in self.llm.generate([0, 1], params, request_id=f"warmup#{uuid.uuid4().hex[:12]}"):
+            pass
+
+    def _fail(self, reason: str) -> None:
+        """A step failed fatally: refuse work (UNAVAILABLE, health failing) and rebuild the engine."""
+        if self.failure is None:
+            self.failure = reason
+            logger.error("replica engine failed: %s; %s", reason,
+                         "rebuilding it" if self.rebuild_on_failure else "it stays down")
+        if self.rebuild_on_failure and self.rebuild_task is None:
+            self.rebuild_task = asyncio.get_running_loop().create_task(self._rebuild())
+
+    async def _rebuild(self) -> None:
+        start = time.monotonic()
+        try:
+            await self.llm.rebuild()
+            await self.warm_up()
+        except Exception as e:  # noqa: BLE001 - the replica stays unhealthy and Serve replaces it
+            self.failure = f"{self.failure}; rebuilding failed: {(str(e).splitlines() or [''])[0]}"
+            logger.exception("rebuilding the replica engine failed; it stays unhealthy")
+            return
+        finally:
+            self.rebuild_task = None
+        self.num_rebuilds += 1
+        self.failure = None
+        logger.warning("replica engine rebuilt in %.1f s", time.monotonic() - start)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop accepting requests, let those in flight finish for up to timeout_s, then end the rest
+        with ReplicaDrainingError (UNAVAILABLE / 503). Returns how many were cut off."""
+        self.is_draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.llm.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        num_cut = len(self.llm.streams)
+        if num_cut:
+            self.llm.fail_all(ReplicaDrainingError(f"this replica shut down before the request finished "
+                                                   f"(drain timeout {timeout_s:g} s)"))
+            await asyncio.sleep(0)  # let the streams see it before the engine goes away
+        return num_cut
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Drain (see drain), then release the engine: with Ray workers, the coordinator, the workers
+        and their placement group."""
+        await self.drain(drain_timeout_s)
+        if self.rebuild_task is not None:
+            self.rebuild_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.rebuild_task
         await self.llm.shutdown()
+
+
+class ReplicaDrainingError(EngineError):
+    """The replica is shutting down (scale-down, redeploy): the request belongs on another replica."""
 
 
 def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
