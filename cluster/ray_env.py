@@ -8,9 +8,9 @@ from pathlib import Path
 import ray
 
 
-def connect_ray(run_dir: str | Path = "runs") -> None:
-    """Idempotent. A local cluster keeps its session files under run_dir/ray, runs no dashboard and
-    reports no usage statistics."""
+def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False) -> None:
+    """Idempotent. A local cluster keeps its session files under run_dir/ray, runs no dashboard unless
+    asked (it serves cluster control on a port of its own) and reports no usage statistics."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -20,5 +20,5 @@ def connect_ray(run_dir: str | Path = "runs") -> None:
     temp_dir = Path(run_dir, "ray").resolve()
     temp_dir.mkdir(parents=True, exist_ok=True)
     # Oversubscribe small machines: a 2-core box still hosts a coordinator and a few workers.
-    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, _temp_dir=str(temp_dir),
+    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=include_dashboard, _temp_dir=str(temp_dir),
              log_to_driver=False)

@@ -5,7 +5,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Caps on what one request may ask for. Every step scans each running request's stop strings against
+# its new text, so their number and length bound the per-token cost a client can impose.
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes at most 64 bits
+# A temperature this small divides logits into float32 overflow (inf - inf = NaN in the softmax);
+# the distribution is one-hot long before it, so such a request is sampled greedily instead.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 class InvalidRequestError(ValueError):
@@ -35,16 +44,23 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, list | tuple):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got "
+                                      f"{type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _require_int("max_tokens", self.max_tokens, minimum=1)
+        _require_int("max_tokens", self.max_tokens, minimum=1, maximum=2**31 - 1)
         _require_float("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            self.temperature = 0.0
         _require_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        _require_int("top_k", self.top_k, minimum=-1)
+        _require_int("top_k", self.top_k, minimum=-1, maximum=2**31 - 1)
         _require_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -57,10 +73,18 @@ class SamplingParams:
             if not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
-            _require_int("seed", self.seed, minimum=0)
+            _require_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")
+                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r:.80}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters, "
+                                          f"got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                                      f"{MAX_STOP_TOKEN_IDS} are allowed")
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t, minimum=0)
         for name in ("logprobs", "prompt_logprobs"):
@@ -83,15 +107,17 @@ class SamplingParams:
         return 0 if self.top_k in (-1, 0) else self.top_k
 
 
-def _require_int(name: str, value: object, minimum: int) -> None:
+def _require_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r:.80}")
     if value < minimum:
         raise InvalidRequestError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidRequestError(f"{name} must be <= {maximum}, got {value}")
 
 
 def _require_float(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number, got {value!r:.80}")
     if not math.isfinite(value):
         raise InvalidRequestError(f"{name} must be finite, got {value}")

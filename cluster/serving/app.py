@@ -52,6 +52,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         stream_interval (1): streamed messages carry at least this many new tokens; each message costs
             a few ms on the serving path, so a fast model on few CPUs streams cheaper in bunches.
         health_check_period_s (10).
+
+    Security and limits:
+        api_key: clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata
+            `authorization: Bearer KEY`); health endpoints stay open. api_key_file: read it from a file
+            instead. Neither: the WARPSPEC_API_KEY environment variable where build_app runs, else none.
+        max_request_bytes (16 MiB): one gRPC message or HTTP body. max_prompt_bytes (4 MiB): prompt text.
     """
     config = ServeConfig.from_args(dict(args))
     deployment = WarpspecServer.options(
@@ -62,4 +68,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         graceful_shutdown_timeout_s=30,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
     )
-    return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval)
+    return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval,
+                           limits=config.limits, auth=config.auth)

@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from grpc_health.v1 import health_pb2
 
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.serving.auth import ApiKeyAuth
+from warpspec.serving.limits import RequestLimits
 from warpspec.serving.replica_engine import ReplicaEngine
 from warpspec.serving.request_mapping import reject_unknown_fields, request_from_proto, response_from_output
 from warpspec.serving.wire_errors import NotFoundError
@@ -22,11 +24,19 @@ HEALTH_SERVICE_NAMES = ("", pb.DESCRIPTOR.services_by_name["Generation"].full_na
 
 
 class GenerationService:
-    def __init__(self, engine: ReplicaEngine):
+    def __init__(self, engine: ReplicaEngine, limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None):
         self.engine = engine
+        self.limits = limits or RequestLimits()
+        self.auth = auth
+
+    def authorize(self, grpc_context) -> None:
+        """Every RPC but the health check calls this first: a wrong or missing key is UNAUTHENTICATED
+        before the request is even parsed."""
+        if self.auth is not None:
+            self.auth.check_grpc(grpc_context)
 
     async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        prompt, params = request_from_proto(request, self.engine.description.max_model_len)
+        prompt, params = request_from_proto(request, self.engine.description.max_model_len, self.limits)
         final = None
         async for out in self.engine.stream(prompt, params, request.request_id or None):
             final = out
@@ -35,13 +45,15 @@ class GenerationService:
     async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """One message per engine step that added text or tokens, the final one with usage. A client
         that cancels closes this generator, which aborts the request (AsyncLLM frees its KV)."""
-        prompt, params = request_from_proto(request, self.engine.description.max_model_len)
+        prompt, params = request_from_proto(request, self.engine.description.max_model_len, self.limits)
         async for out in self.engine.stream(prompt, params, request.request_id or None):
             if out.new_token_ids or out.new_text or out.finished:
                 yield response_from_output(out, streaming=True)
 
     def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         reject_unknown_fields(request, "TokenizeRequest")
+        self.limits.check_request_bytes(request.ByteSize(), "TokenizeRequest")
+        self.limits.check_prompt_text(request.text, "text")
         ids, tokens = self.engine.tokenize(request.text)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 

@@ -4,9 +4,10 @@
     GET  /v1/models             GET  /health                   GET /admin/stats (KV blocks, queue)
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with 400 for bad
-input (invalid JSON included), 404 for an unknown model, 429 when the replica's queue is full, 503
-when it cannot serve. A client that disconnects mid-stream aborts its request (Serve cancels the
-replica's handler, which closes the engine stream and frees the KV blocks).
+input (invalid JSON included), 401 for a missing or wrong API key (when the deployment has one; only
+/health is open then), 404 for an unknown model, 413 for a body over max_request_bytes, 429 when the
+replica's queue is full, 503 when it cannot serve. A client that disconnects mid-stream aborts its
+request (Serve cancels the replica's handler, which closes the engine stream and frees the KV blocks).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from warpspec.sampling_params import InvalidRequestError
+from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.chat_template import ChatTemplate
+from warpspec.serving.limits import RequestLimits
 from warpspec.serving.openai_protocol import ResponseBuilder, chat_request, completion_request, requested_model
 from warpspec.serving.replica_engine import ReplicaEngine
 from warpspec.serving.wire_errors import NotFoundError, wire_error
@@ -27,8 +30,10 @@ from warpspec.serving.wire_errors import NotFoundError, wire_error
 
 def error_response(error: BaseException) -> JSONResponse:
     wire = wire_error(error)
+    # RFC 6750: a 401 names the scheme the client should use.
+    headers = {"www-authenticate": "Bearer"} if wire.http_status == 401 else None
     return JSONResponse({"error": {"message": wire.message, "type": wire.openai_type, "param": None,
-                                   "code": wire.http_status}}, status_code=wire.http_status)
+                                   "code": wire.http_status}}, status_code=wire.http_status, headers=headers)
 
 
 class EventStreamResponse(Response):
@@ -59,18 +64,31 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None = None,
-                     replica_id: str = "") -> FastAPI:
+def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None = None, replica_id: str = "",
+                     limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None) -> FastAPI:
     app = FastAPI(title="warpspec", description="OpenAI-compatible API of a warpspec replica")
     template = chat_template or ChatTemplate.from_dir(engine.description.path, engine.tokenizer)
     model_name = engine.description.name
+    limits = limits or RequestLimits()
+
+    def authorize(request: Request) -> None:
+        if auth is not None:
+            auth.check_header(request.headers.get("authorization"))
 
     async def read_body(request: Request) -> dict:
+        authorize(request)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit():  # refuse before reading what was announced
+            limits.check_request_bytes(int(declared), "the request body")
         raw = await request.body()
+        limits.check_request_bytes(len(raw), "the request body")
         try:
+            # Python's parser takes NaN and Infinity too: the field checks then name the field.
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+            raise InvalidRequestError(f"the request body is not valid JSON: {str(e)[:200]}") from None
+        except RecursionError:
+            raise InvalidRequestError("the request body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         name = requested_model(body)
@@ -114,7 +132,7 @@ def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None =
     async def completions(request: Request):
         try:
             body = await read_body(request)
-            prompt, params = completion_request(body, engine.description.max_model_len)
+            prompt, params = completion_request(body, engine.description.max_model_len, limits)
             return await run(body, prompt, params, chat=False)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(e)
@@ -123,13 +141,17 @@ def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None =
     async def chat_completions(request: Request):
         try:
             body = await read_body(request)
-            messages, params = chat_request(body, engine.description.max_model_len)
+            messages, params = chat_request(body, engine.description.max_model_len, limits)
             return await run(body, template.render(messages), params, chat=True)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        try:
+            authorize(request)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
         d = engine.description
         return {"object": "list", "data": [{"id": d.name, "object": "model", "created": 0, "owned_by": "warpspec",
                                             "max_model_len": d.max_model_len}]}
@@ -143,7 +165,11 @@ def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None =
         return {"status": "ok"}
 
     @app.get("/admin/stats")
-    async def stats():
+    async def stats(request: Request):
+        try:
+            authorize(request)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
         snapshot = engine.stats()
         return {**dataclasses.asdict(snapshot), "kv_cache_usage": snapshot.kv_cache_usage, "replica": replica_id}
 

@@ -16,6 +16,7 @@ from typing import Any
 from warpspec.engine import Prompt
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.serving.limits import RequestLimits
 from warpspec.serving.request_mapping import check_max_tokens
 
 # Request field -> SamplingParams field, common to both endpoints.
@@ -66,8 +67,10 @@ def requested_model(body: dict) -> str:
     return model
 
 
-def completion_request(body: dict, max_model_len: int) -> tuple[Prompt, SamplingParams]:
+def completion_request(body: dict, max_model_len: int,
+                       limits: RequestLimits | None = None) -> tuple[Prompt, SamplingParams]:
     _check_fields(body, _COMPLETION_FIELDS)
+    limits = limits or RequestLimits()
     prompt = body.get("prompt")
     # One prompt per request: a string, token ids, or a one-element list of either.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -75,6 +78,7 @@ def completion_request(body: dict, max_model_len: int) -> tuple[Prompt, Sampling
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty")
+        limits.check_prompt_text(prompt)
     elif isinstance(prompt, list):
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt must be a non-empty string or list of token ids (one prompt per request)")
@@ -84,9 +88,12 @@ def completion_request(body: dict, max_model_len: int) -> tuple[Prompt, Sampling
     return prompt, _sampling_params(body, max_model_len, **({"logprobs": logprobs} if logprobs is not None else {}))
 
 
-def chat_request(body: dict, max_model_len: int) -> tuple[object, SamplingParams]:
-    """(messages, params); the deployment's ChatTemplate turns the messages into the prompt."""
+def chat_request(body: dict, max_model_len: int,
+                 limits: RequestLimits | None = None) -> tuple[object, SamplingParams]:
+    """(messages, params); the deployment's ChatTemplate turns the messages into the prompt (and
+    refuses malformed messages, naming them)."""
     _check_fields(body, _CHAT_FIELDS)
+    (limits or RequestLimits()).check_prompt_text("".join(_message_texts(body.get("messages"))), "messages")
     body = dict(body)
     if body.get("max_completion_tokens") is not None:
         body.setdefault("max_tokens", body["max_completion_tokens"])
@@ -94,6 +101,18 @@ def chat_request(body: dict, max_model_len: int) -> tuple[object, SamplingParams
     if body.get("logprobs"):
         extra["logprobs"] = body.get("top_logprobs") or 0
     return body.get("messages"), _sampling_params(body, max_model_len, **extra)
+
+
+def _message_texts(messages: object) -> list[str]:
+    """The text contents of well-formed messages (string or text parts), to size them up."""
+    texts: list[str] = []
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts.extend(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return texts
 
 
 def _finish_reason(out: RequestOutput) -> str | None:

@@ -9,6 +9,7 @@ from warpspec.engine import Prompt
 from warpspec.outputs import PositionLogprobs, RequestOutput
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.serving.limits import RequestLimits
 
 # proto field -> SamplingParams field, for the `optional` scalars copied only when set.
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
@@ -16,6 +17,9 @@ _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "see
 # float fields travel as 32-bit floats: 0.9 arrives as 0.8999999761581421. Round back to what the
 # client most likely wrote, so that limits like top_p <= 1 and penalties in [-2, 2] behave exactly.
 _FLOAT_PARAMS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+
+
+MAX_REQUEST_ID_CHARS = 256  # echoed in every response and written to logs
 
 
 def check_max_tokens(max_tokens: object, max_model_len: int, field: str = "max_tokens") -> None:
@@ -50,16 +54,24 @@ def sampling_params_from_proto(params: pb.SamplingParams, max_model_len: int) ->
         raise InvalidRequestError(f"params.{e}") from None
 
 
-def request_from_proto(request: pb.GenerateRequest, max_model_len: int) -> tuple[Prompt, SamplingParams]:
-    """GenerateRequest -> what AsyncLLM.generate takes. An empty request (no prompt) is refused here;
-    prompt length against max_model_len and the vocabulary is the engine's own check."""
+def request_from_proto(request: pb.GenerateRequest, max_model_len: int,
+                       limits: RequestLimits | None = None) -> tuple[Prompt, SamplingParams]:
+    """GenerateRequest -> what AsyncLLM.generate takes. An empty request (no prompt) or one over the
+    size limits is refused here; prompt length in tokens against max_model_len and the vocabulary is
+    the engine's own check."""
+    limits = limits or RequestLimits()
     reject_unknown_fields(request, "GenerateRequest")
+    limits.check_request_bytes(request.ByteSize(), "GenerateRequest")
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                                  f"got {len(request.request_id)}")
     which = request.WhichOneof("prompt_input")
     if which is None:
         raise InvalidRequestError("GenerateRequest needs a prompt: set prompt or prompt_token_ids")
     if which == "prompt":
         if not request.prompt:
             raise InvalidRequestError("prompt is empty")
+        limits.check_prompt_text(request.prompt)
         prompt: Prompt = request.prompt
     else:
         prompt = list(request.prompt_token_ids.ids)

@@ -1,6 +1,12 @@
 """`warpspec serve`: run the application on the Ray cluster named by RAY_ADDRESS, or on a local one,
 with Serve's gRPC proxy (warpspec.v1.Generation + grpc.health.v1.Health, with reflection) and HTTP
-proxy (the OpenAI API), until interrupted."""
+proxy (the OpenAI API), until interrupted.
+
+Safe by default: HTTP binds 127.0.0.1 unless --host says otherwise, a local Ray cluster runs no
+dashboard unless --dashboard, and --api-key / --api-key-file / WARPSPEC_API_KEY turn on API keys.
+Serve's gRPC proxy always listens on every address (it takes no host), so a gRPC port reachable from
+outside needs an API key or a firewall; serving without a key says so on startup.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +17,11 @@ import signal
 import threading
 from typing import Any
 
+from warpspec.serving.auth import API_KEY_ENV
 from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTIONS
 
 
-def start_serving(args: dict[str, Any], grpc_port: int = 9000, http_port: int = 8000, host: str = "0.0.0.0",
+def start_serving(args: dict[str, Any], grpc_port: int = 9000, http_port: int = 8000, host: str = "127.0.0.1",
                   app_name: str = DEFAULT_APP_NAME) -> None:
     """Start Serve's proxies on this Ray cluster (ray.init must have run) and deploy the app; returns
     once every replica has loaded its model and warmed up."""
@@ -40,7 +47,15 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--device", default="cpu")
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--host", default="0.0.0.0", help="HTTP bind address (gRPC binds all addresses)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="HTTP bind address (default 127.0.0.1: this machine only; 0.0.0.0: every address). "
+                            "Serve's gRPC proxy binds every address whatever this says")
+    serve.add_argument("--api-key", help=f"require this key from clients (default: ${API_KEY_ENV}, if set)")
+    serve.add_argument("--api-key-file", help="require the key in this file")
+    serve.add_argument("--max-request-bytes", type=int, help="largest gRPC message / HTTP body (16 MiB)")
+    serve.add_argument("--max-prompt-bytes", type=int, help="largest prompt text, UTF-8 (4 MiB)")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="run Ray's dashboard (local cluster only; off by default)")
     serve.add_argument("--min-replicas", type=int, default=1)
     serve.add_argument("--max-replicas", type=int, default=1)
     serve.add_argument("--target-ongoing-requests", type=float, default=8.0)
@@ -60,7 +75,9 @@ def run_serve_command(ns: argparse.Namespace) -> None:
                             "dtype": ns.dtype, "max_model_len": ns.max_model_len, "device": ns.device,
                             "min_replicas": ns.min_replicas, "max_replicas": ns.max_replicas,
                             "target_ongoing_requests": ns.target_ongoing_requests,
-                            "max_waiting_requests": ns.max_waiting_requests}
+                            "max_waiting_requests": ns.max_waiting_requests, "api_key": ns.api_key,
+                            "api_key_file": ns.api_key_file, "max_request_bytes": ns.max_request_bytes,
+                            "max_prompt_bytes": ns.max_prompt_bytes}
     for item in ns.arg:
         name, sep, value = item.partition("=")
         if not sep:
@@ -69,9 +86,16 @@ def run_serve_command(ns: argparse.Namespace) -> None:
     args = {k: v for k, v in args.items() if v is not None}
     from warpspec.serving.serve_config import ServeConfig
 
-    ServeConfig.from_args(args)  # refuse bad args before any cluster is touched
+    config = ServeConfig.from_args(args)  # refuse bad args before any cluster is touched
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    connect_ray(args.get("run_dir", "runs"))
+    # A local cluster's processes inherit this: Serve's gRPC proxy then refuses oversized messages
+    # itself, before they are copied to a replica (default 2 GiB).
+    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_request_bytes))
+    connect_ray(args.get("run_dir", "runs"), include_dashboard=ns.dashboard)
+    if config.auth is None:
+        print(f"warpspec: no API key set (--api-key, --api-key-file or ${API_KEY_ENV}): anyone who reaches "
+              f"port {ns.grpc_port} (gRPC listens on every address) or {ns.host}:{ns.http_port} can use it",
+              flush=True)
     try:
         start_serving(args, grpc_port=ns.grpc_port, http_port=ns.http_port, host=ns.host)
         print(f"warpspec: serving {ns.model}: gRPC on port {ns.grpc_port}, OpenAI HTTP on "

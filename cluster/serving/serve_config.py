@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from warpspec.serving.auth import ApiKeyAuth, resolve_api_key
+from warpspec.serving.limits import MIB, RequestLimits
+
 GRPC_SERVICER_FUNCTIONS = [
     "warpspec.protos.warpspec.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
     # The standard health service, answered by the replica's Check method (Kubernetes gRPC probes).
@@ -50,6 +53,12 @@ class ServeConfig:
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
     stream_interval: int = 1  # new tokens per streamed message at least (1: every step's tokens at once)
     health_check_period_s: float = 10.0
+    # Clients must send this key (HTTP `Authorization: Bearer`, gRPC `authorization` metadata); None:
+    # api_key_file, else the WARPSPEC_API_KEY environment variable, else no key is required.
+    api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
+    max_request_bytes: int = 16 * MIB  # one gRPC message / HTTP body (limits.py)
+    max_prompt_bytes: int = 4 * MIB  # prompt text, UTF-8
     engine: dict[str, Any] = field(default_factory=dict)  # AsyncLLM.from_options keyword arguments
 
     def __post_init__(self) -> None:
@@ -61,6 +70,10 @@ class ServeConfig:
         if self.target_ongoing_requests <= 0 or self.max_ongoing_requests < 1:
             raise ValueError(f"target_ongoing_requests must be > 0 and max_ongoing_requests >= 1, got "
                              f"{self.target_ongoing_requests} and {self.max_ongoing_requests}")
+        self.limits = RequestLimits(self.max_request_bytes, self.max_prompt_bytes)
+        key = resolve_api_key(self.api_key, self.api_key_file)
+        # Only the key's digest leaves this process (the deployment's args are stored by Serve).
+        self.auth = ApiKeyAuth.from_key(key) if key is not None else None
 
     @property
     def autoscaling_config(self) -> dict[str, Any]:

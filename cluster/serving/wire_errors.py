@@ -12,6 +12,8 @@ import grpc
 
 from warpspec.errors import EngineError, EngineOverloadedError
 from warpspec.sampling_params import InvalidRequestError
+from warpspec.serving.auth import UnauthenticatedError
+from warpspec.serving.limits import RequestTooLargeError
 
 logger = logging.getLogger("warpspec.serving")
 
@@ -29,6 +31,10 @@ class NotFoundError(LookupError):
 
 
 def wire_error(error: BaseException) -> WireError:
+    if isinstance(error, UnauthenticatedError):
+        return WireError(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error", str(error))
+    if isinstance(error, RequestTooLargeError):
+        return WireError(grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error", str(error))
     if isinstance(error, InvalidRequestError):
         return WireError(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", str(error))
     if isinstance(error, NotFoundError):
