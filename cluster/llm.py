@@ -43,6 +43,9 @@ class LLM:
         engine = self._engine()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, SequenceABC):
+            raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of prompts, "
+                                      f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

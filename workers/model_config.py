@@ -19,6 +19,12 @@ SUPPORTED_MODEL_TYPES = ("llama4_text", "llama4")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
+# Sizes a checkpoint's config.json must give as positive integers (else tensors of negative size).
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "intermediate_size_mlp", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+                  "max_position_embeddings")
+
+
 @dataclass
 class RopeConfig:
     theta: float = 500000.0
@@ -60,6 +66,10 @@ class ModelConfig:
     tensor_prefix: str = ""
 
     def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CheckpointError(f"config.json: {name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
