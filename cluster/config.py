@@ -94,6 +94,18 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     run_dir: str = "runs"  # where a locally started Ray keeps its session files
+    # On CUDA devices decode and verification steps replay captured CUDA graphs; True runs every step
+    # eagerly (debugging, profiling single kernels).
+    enforce_eager: bool = False
+
+    def cuda_graph_config(self):
+        from warpspec.workers.cuda_graphs import CudaGraphConfig
+
+        if self.enforce_eager:
+            return None
+        k = self.speculative.num_speculative_tokens
+        return CudaGraphConfig(query_lens=(1, k + 1) if self.speculative.enabled else (1,),
+                               max_model_len=self.max_model_len or 8192)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -106,10 +118,11 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
                   executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
                   draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
-                  compile_draft: bool = True, run_dir: str = "runs") -> EngineConfig:
+                  compile_draft: bool = True, run_dir: str = "runs", enforce_eager: bool = False) -> EngineConfig:
     """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
     return EngineConfig(
         model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
+        enforce_eager=enforce_eager,
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   enable_prefix_caching=enable_prefix_caching,

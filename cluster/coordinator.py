@@ -34,9 +34,6 @@ class ReplicaInfo:
     workers: list[WorkerInfo]
     dispatch: str
     draft_aux_layer_ids: tuple[int, ...] | None = None  # when the coordinator runs an EAGLE-3 draft
-    # The workers' bundles. Ray ties a group to the job, not to the actor that made it: whoever holds
-    # the coordinator removes it when the coordinator dies (which kills any worker still in it).
-    placement_group: PlacementGroup | None = None
 
 
 @dataclass
@@ -50,7 +47,9 @@ class DispatchTiming:
 
 
 class Coordinator:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, placement_group: PlacementGroup):
+        """placement_group: one bundle per worker (place_workers), made and removed by whoever holds
+        this coordinator, so that it outlives a coordinator that dies."""
         from warpspec.actors import ShardWorkerActor  # the actor shells import this module
 
         self.config = config
@@ -58,8 +57,7 @@ class Coordinator:
         self.is_gpu = config.device.startswith("cuda")
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, self.parallel.num_workers)
-        self._check_cluster_capacity()
-        self.placement_group = self._place_bundles()
+        self.placement_group = placement_group
         self.workers, self.graph, self.drafter = [], None, None
         try:
             self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
@@ -67,37 +65,12 @@ class Coordinator:
             self.graph = self._compile_step_graph() if self.parallel.dispatch == "compiled" else None
             self.drafter = self._load_draft() if config.speculative.enabled else None
         except BaseException:
-            self.shutdown()  # a half-built replica must not keep its actors or bundles
+            self.shutdown()  # a half-built replica must not keep its actors
             raise
         self.timings: list[DispatchTiming] = []
         self.is_broken = False
 
     # ---- setup ----------------------------------------------------------------------------------
-
-    def _bundle(self) -> dict[str, float]:
-        return {"GPU": 1} if self.is_gpu else {"CPU": 1}
-
-    def _check_cluster_capacity(self) -> None:
-        """Fail at once, before any weight is read, when the cluster can never hold the workers."""
-        resource, per_worker = next(iter(self._bundle().items()))
-        available = ray.cluster_resources().get(resource, 0)
-        needed = per_worker * self.parallel.num_workers
-        if available < needed:
-            raise PlacementError(f"num_workers={self.parallel.num_workers} needs {needed:g} {resource} "
-                                 f"(one per worker) but the Ray cluster has {available:g}")
-
-    def _place_bundles(self):
-        bundles = [self._bundle() for _ in range(self.parallel.num_workers)]
-        group = placement_group(bundles, strategy=self.parallel.placement_strategy)
-        try:
-            ray.get(group.ready(), timeout=self.parallel.placement_timeout_s)
-        except GetTimeoutError:
-            remove_placement_group(group)
-            raise PlacementError(
-                f"could not place {len(bundles)} workers ({bundles[0]} each, {self.parallel.placement_strategy}) "
-                f"within {self.parallel.placement_timeout_s:g} s; free resources: {ray.available_resources()}"
-            ) from None
-        return group
 
     def _create_worker(self, actor_class, rank: int):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
@@ -119,7 +92,8 @@ class Coordinator:
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         threads = 0 if self.is_gpu else max(1, min(os.cpu_count() or 1, cpus) // self.parallel.num_workers)
         configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
-                                self._comm_init(rank, address, port, nccl_id), self.config.device, threads)
+                                self._comm_init(rank, address, port, nccl_id), self.config.device, threads,
+                                self.config.cuda_graph_config())
                    for rank in range(self.parallel.num_workers)]
         # Every rank must enter the group together: start them all, then wait.
         return unwrap_ray_errors(lambda: ray.get([w.start.remote(c) for w, c in zip(self.workers, configs,
@@ -140,8 +114,7 @@ class Coordinator:
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.parallel.num_workers, min(i.num_blocks for i in self.infos), self.infos,
-                           self.parallel.dispatch, self.drafter.proposer.aux_layer_ids if self.drafter else None,
-                           self.placement_group)
+                           self.parallel.dispatch, self.drafter.proposer.aux_layer_ids if self.drafter else None)
 
     def execute(self, step_bytes: bytes) -> bytes:
         """Encoded StepInput -> rank 0's encoded StepOutput."""
@@ -185,7 +158,7 @@ class Coordinator:
         return [info.pid for info in self.infos]
 
     def shutdown(self) -> None:
-        """Release the compiled graph, the workers and their placement group."""
+        """Release the compiled graph and the workers (the placement group is its maker's to remove)."""
         if self.graph is not None:
             # A graph whose actor died may fail to tear down; the kills below still release everything.
             with contextlib.suppress(Exception):
@@ -194,7 +167,37 @@ class Coordinator:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
-        remove_placement_group(self.placement_group)
+
+
+def _bundle(config: EngineConfig) -> dict[str, float]:
+    return {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+
+
+def place_workers(config: EngineConfig) -> PlacementGroup:
+    """One bundle per worker. Fails at once, before any weight is read, when the cluster can never
+    hold the workers, and after placement_timeout_s when it cannot now.
+
+    Call it in the process that holds the coordinator: Ray ties a placement group to the job that made
+    it, or to the detached actor (a Serve replica) that made it, never to an ordinary actor. Made by the
+    coordinator, a group would outlive a coordinator that died."""
+    parallel = config.parallel
+    resource, per_worker = next(iter(_bundle(config).items()))
+    available = ray.cluster_resources().get(resource, 0)
+    needed = per_worker * parallel.num_workers
+    if available < needed:
+        raise PlacementError(f"num_workers={parallel.num_workers} needs {needed:g} {resource} "
+                             f"(one per worker) but the Ray cluster has {available:g}")
+    bundles = [_bundle(config) for _ in range(parallel.num_workers)]
+    group = placement_group(bundles, strategy=parallel.placement_strategy)
+    try:
+        ray.get(group.ready(), timeout=parallel.placement_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise PlacementError(
+            f"could not place {len(bundles)} workers ({bundles[0]} each, {parallel.placement_strategy}) "
+            f"within {parallel.placement_timeout_s:g} s; free resources: {ray.available_resources()}"
+        ) from None
+    return group
 
 
 def unwrap_ray_errors(call):

@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from warpspec.config import EngineConfig
-from warpspec.coordinator import DispatchTiming, unwrap_ray_errors
+from warpspec.coordinator import DispatchTiming, place_workers, unwrap_ray_errors
 from warpspec.errors import WorkerDiedError
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
@@ -20,7 +20,8 @@ from warpspec.workers.step import StepInput
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig):
-        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device)
+        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device,
+                                  cuda_graphs=config.cuda_graph_config())
         self.model_config = self.runner.config
         self.num_blocks = self.runner.num_blocks
 
@@ -40,11 +41,14 @@ class RayExecutor:
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, config.parallel.num_workers)
         connect_ray(config.run_dir)
-        self.coordinator = CoordinatorActor.remote()
+        # Placed here, not in the coordinator, so the group outlives a coordinator that dies (place_workers).
+        self.placement_group = place_workers(config)
+        self.coordinator = None
         try:
-            self.info = unwrap_ray_errors(lambda: ray.get(self.coordinator.start.remote(config)))
+            self.coordinator = CoordinatorActor.remote()
+            self.info = unwrap_ray_errors(lambda: ray.get(self.coordinator.start.remote(config, self.placement_group)))
         except BaseException:
-            ray.kill(self.coordinator)
+            self._release()
             raise
         self.num_blocks = self.info.num_blocks
 
@@ -76,13 +80,19 @@ class RayExecutor:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Release the coordinator, its workers and their placement group. A dead coordinator cannot
-        answer, and Ray keeps the group it created until the job ends: removing the group here kills
-        any worker still in it."""
-        with contextlib.suppress(Exception):
-            ray.get(self.coordinator.shutdown.remote(), timeout=timeout_s)
-        ray.kill(self.coordinator)
-        with contextlib.suppress(Exception):  # already removed by a coordinator that shut down cleanly
-            remove_placement_group(self.info.placement_group)
+        answer; removing the group kills any worker still in it."""
+        if self.coordinator is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.coordinator.shutdown.remote(), timeout=timeout_s)
+        self._release()
+
+    def _release(self) -> None:
+        if self.coordinator is not None:
+            ray.kill(self.coordinator)
+            self.coordinator = None
+        if self.placement_group is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
 
 
 def make_executor(config: EngineConfig) -> LocalExecutor | RayExecutor:

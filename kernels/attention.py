@@ -19,44 +19,61 @@ from warpspec.kernels.dispatch import use_triton
 
 class PagedAttentionMetadata:
     def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 block_size: int, max_query_len: int, max_seq_len: int):
+                 block_size: int, max_query_len: int, max_seq_len: int, num_tokens: int | None = None):
         """query_start_loc [num_seqs + 1]; seq_lens [num_seqs] (tokens in cache, this step's
-        included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]."""
+        included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]. num_tokens: the step's
+        token count when the caller knows it (reading query_start_loc[-1] would wait for the GPU,
+        which a CUDA graph capture forbids)."""
         device = seq_lens.device
-        query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        self.num_tokens = int(query_start_loc[-1])
-        self.is_decode = max_query_len == 1  # one query per sequence: no padding needed
-        # Pad the ragged queries into [num_seqs, max_query_len]: seq 0 with 2 queries, seq 1 with 1 ->
-        # rows [[t0, t1], [t2, pad]].
-        q_offsets = torch.arange(max_query_len, device=device)
-        self.is_real_query = q_offsets[None, :] < query_lens[:, None]
-        self.token_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=max(self.num_tokens - 1, 0))
-        self.q_positions = (seq_lens - query_lens)[:, None] + q_offsets[None, :]
-        # Each sequence's cache slots in position order, through its block table.
-        self.kv_positions = torch.arange(max_seq_len, device=device)
-        self.slots = (block_tables.long()[:, self.kv_positions // block_size] * block_size
-                      + self.kv_positions % block_size)
+        self.query_start_loc = query_start_loc
+        self.query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        self.num_tokens = int(query_start_loc[-1]) if num_tokens is None else num_tokens
         self.seq_lens = seq_lens
         self.block_tables = block_tables
         self.block_size = block_size
-        # What the Triton kernel needs instead of the padded views: each token's sequence and position.
+        self.max_query_len = max_query_len
+        self.max_seq_len = max_seq_len
+        self.is_decode = max_query_len == 1  # one query per sequence: no padding needed
+        # What the Triton kernel needs: each token's sequence and position.
         # query_lens [2, 1], seq_lens [7, 4] -> token_seq [0, 0, 1], token_pos [5, 6, 3].
-        self.token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), query_lens,
+        self.token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), self.query_lens,
                                                  output_size=self.num_tokens)
         token_offset = torch.arange(self.num_tokens, device=device) - query_start_loc[:-1][self.token_seq]
-        self.token_pos = (seq_lens - query_lens)[self.token_seq] + token_offset
+        self.token_pos = (seq_lens - self.query_lens)[self.token_seq] + token_offset
+        self._padded: dict[str, torch.Tensor] | None = None
         self.masks: dict[int | None, torch.Tensor] = {}
+
+    def padded(self) -> dict[str, torch.Tensor]:
+        """The reference's padded views, built on first use (the Triton kernel never needs them)."""
+        if self._padded is None:
+            device = self.seq_lens.device
+            # Pad the ragged queries into [num_seqs, max_query_len]: seq 0 with 2 queries, seq 1 with
+            # 1 -> rows [[t0, t1], [t2, pad]].
+            q_offsets = torch.arange(self.max_query_len, device=device)
+            kv_positions = torch.arange(self.max_seq_len, device=device)
+            self._padded = {
+                "is_real_query": q_offsets[None, :] < self.query_lens[:, None],
+                "token_index": (self.query_start_loc[:-1, None] + q_offsets[None, :]).clamp(
+                    max=max(self.num_tokens - 1, 0)),
+                "q_positions": (self.seq_lens - self.query_lens)[:, None] + q_offsets[None, :],
+                "kv_positions": kv_positions,
+                # Each sequence's cache slots in position order, through its block table.
+                "slots": (self.block_tables.long()[:, kv_positions // self.block_size] * self.block_size
+                          + kv_positions % self.block_size),
+            }
+        return self._padded
 
     def mask(self, chunk_size: int | None) -> torch.Tensor:
         """[num_seqs, 1, max_query_len, max_seq_len] bool: causal, and for chunked layers within the
         query's chunk (positions 0..c-1 form chunk 0, c..2c-1 chunk 1, ...)."""
         if chunk_size not in self.masks:
-            kv, q = self.kv_positions[None, None, :], self.q_positions[:, :, None]
+            padded = self.padded()
+            kv, q = padded["kv_positions"][None, None, :], padded["q_positions"][:, :, None]
             allowed = kv <= q
             if chunk_size is not None:
                 allowed &= (kv // chunk_size) == (q // chunk_size)
             # Padding queries attend to position 0 so their softmax stays finite; they are dropped.
-            allowed |= ~self.is_real_query[:, :, None] & (self.kv_positions == 0)[None, None, :]
+            allowed |= ~padded["is_real_query"][:, :, None] & (padded["kv_positions"] == 0)[None, None, :]
             self.masks[chunk_size] = allowed[:, None, :, :]
         return self.masks[chunk_size]
 
@@ -75,13 +92,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                               meta: PagedAttentionMetadata, scale: float, chunk_size: int | None) -> torch.Tensor:
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    q = query[:, None] if meta.is_decode else query[meta.token_index]  # [num_seqs, max_q, heads, dim]
-    k = key_cache.view(-1, num_kv_heads, head_dim)[meta.slots]
-    v = value_cache.view(-1, num_kv_heads, head_dim)[meta.slots]
+    padded = meta.padded()
+    q = query[:, None] if meta.is_decode else query[padded["token_index"]]  # [num_seqs, max_q, heads, dim]
+    k = key_cache.view(-1, num_kv_heads, head_dim)[padded["slots"]]
+    v = value_cache.view(-1, num_kv_heads, head_dim)[padded["slots"]]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=meta.mask(chunk_size), scale=scale, enable_gqa=True)
     out = out.transpose(1, 2)
-    return out[:, 0] if meta.is_decode else out[meta.is_real_query]
+    return out[:, 0] if meta.is_decode else out[padded["is_real_query"]]
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

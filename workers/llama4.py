@@ -32,6 +32,7 @@ from warpspec.workers.layers import (
     check_shape,
     empty_param,
     even_split,
+    load_experts,
 )
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.rope import rope_freqs_cis, rope_inv_freq
@@ -124,7 +125,9 @@ class Llama4MLP(nn.Module):
 
 class Llama4Experts(nn.Module):
     """Routed experts in the checkpoint's fused layout, gate_up_proj [E, H, 2I] and down_proj [E, I, H],
-    expert-parallel: this rank holds experts [first_expert, end_expert) (6 over 4 ranks: 2, 2, 1, 1)."""
+    expert-parallel: this rank holds experts [first_expert, end_expert) (6 over 4 ranks: 2, 2, 1, 1).
+    FP8 experts (workers/quantization.py) add per-output-channel scales gate_up_proj_scale [E, 2I]
+    and down_proj_scale [E, H] (fbgemm checkpoints store them as [E, 1, 2I] and [E, H, 1])."""
 
     def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
         super().__init__()
@@ -134,10 +137,20 @@ class Llama4Experts(nn.Module):
         self.gate_up_proj = empty_param(num_local, hidden, 2 * inter, dtype=dtype)
         self.down_proj = empty_param(num_local, inter, hidden, dtype=dtype)
         self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
         check_shape(name, (self.num_experts, *param.shape[1:]), loaded.shape)
-        param.data.copy_(loaded.read(slice(self.first_expert, self.end_expert)))
+        scale = self.gate_up_proj_scale if param is self.gate_up_proj else self.down_proj_scale
+        load_experts(param, loaded, name, self.first_expert, scale)
+
+    def scale_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        num_out = param.shape[1]
+        if loaded.shape not in ((self.num_experts, 1, num_out), (self.num_experts, num_out, 1),
+                                (self.num_experts, num_out)):
+            check_shape(name, (self.num_experts, num_out), loaded.shape)
+        param.data.copy_(loaded.read(slice(self.first_expert, self.end_expert)).reshape(param.shape))
 
 
 class Llama4MoE(nn.Module):
@@ -154,7 +167,8 @@ class Llama4MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expert_ids, scores = route_topk_sigmoid(self.router(x), self.top_k)
         routed = moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, scores,
-                             first_expert=self.experts.first_expert)
+                             first_expert=self.experts.first_expert, gate_up_scale=self.experts.gate_up_proj_scale,
+                             down_scale=self.experts.down_proj_scale)
         return self.shared_expert(x) + routed
 
 
@@ -207,7 +221,7 @@ class Llama4ForCausalLM(nn.Module):
         freqs_cis = rope_freqs_cis(positions, self.inv_freq)
         block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
         attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
-                                           step.max_query_len, step.max_seq_len)
+                                           step.max_query_len, step.max_seq_len, num_tokens=input_ids.shape[0])
         # The embedding is a partial sum over vocabulary shards; layer 0's input norm reduces it.
         hidden, residual = self.model.embed_tokens(input_ids), None
         captured: dict[int, torch.Tensor] = {}

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from warpspec.kernels.dispatch import kernel_mode
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator
+from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.loader import load_model
 from warpspec.workers.step import StepInput
@@ -33,7 +35,9 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "auto",
                  cache_config: CacheConfig | None = None, device: str | torch.device = "cpu",
-                 comm: Communicator | None = None):
+                 comm: Communicator | None = None, cuda_graphs: CudaGraphConfig | None = None):
+        """cuda_graphs: capture decode/verify steps on CUDA devices (ignored elsewhere, and when
+        WARPSPEC_KERNELS=reference: the references wait on the GPU, which a capture forbids)."""
         self.device = torch.device(device)
         self.cache_config = cache_config or CacheConfig()
         self.model = load_model(model_dir, dtype, self.device, comm)
@@ -43,16 +47,28 @@ class ModelRunner:
         # heads), so every rank computes the same block count from the same per-rank budget.
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = self.cache_config.resolve_num_blocks(self.config, self.num_kv_heads, self.dtype)
-        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks,
+        use_graphs = cuda_graphs is not None and self.device.type == "cuda" and kernel_mode() != "reference"
+        # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
+        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
                                            self.cache_config.block_size, self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        self.graph_runner = None
+        if use_graphs:
+            block_size = self.cache_config.block_size
+            self.graph_runner = CudaGraphRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
+                                                max_blocks=-(-cuda_graphs.max_model_len // block_size),
+                                                block_size=block_size, device=self.device)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        step = step.to(self.device)
-        hidden, aux = self.model(step.input_ids, step.positions, step, tuple(step.aux_layer_ids))
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
+        if graphed is not None:
+            logits, aux = graphed
+        else:
+            step = step.to(self.device)
+            hidden, aux = self.model(step.input_ids, step.positions, step, tuple(step.aux_layer_ids))
+            logits = self.model.compute_logits(hidden[step.logits_indices])
         if logits is None:  # not rank 0: nothing large goes back
             aux = []
         return StepOutput(logits=logits, aux_hidden=aux, compute_s=time.perf_counter() - start)

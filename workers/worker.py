@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import StepInput
@@ -26,6 +27,7 @@ class WorkerConfig:
     comm: CommInit
     device: str = "cpu"
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    cuda_graphs: CudaGraphConfig | None = None  # used on CUDA devices only
 
 
 @dataclass
@@ -43,7 +45,8 @@ class ShardWorker:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.comm = make_communicator(config.comm)
-        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm)
+        self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
+                                  cuda_graphs=config.cuda_graphs)
 
     def info(self) -> WorkerInfo:
         report = self.runner.model.load_report

@@ -57,7 +57,9 @@ def align_by_expert(local_ids: torch.Tensor, num_local: int, block_m: int) -> tu
     is_local = (local_ids >= 0) & (local_ids < num_local)
     keys = torch.where(is_local, local_ids, num_local)
     order = torch.argsort(keys, stable=True)
-    counts = torch.bincount(keys, minlength=num_local + 1)[:num_local]
+    # scatter_add, not bincount: bincount reads the largest key back to size its output (a GPU sync).
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, keys, torch.ones_like(keys))[:num_local]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts

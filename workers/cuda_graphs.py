@@ -1,0 +1,139 @@
+"""CUDA graphs for decode and verification steps: the launch-overlap half of the GPU record.
+
+A decode step of a large MoE runs hundreds of small kernels; launched one by one from Python, the
+gaps between them cost as much as the kernels at small batch. Replaying a captured graph launches
+them all at once. A graph fixes every shape, so a step is run through one only when it is uniform:
+every sequence has the same number of new tokens (1 for decode, k+1 for verification) and logits
+are wanted for all of them. The batch is padded up to the next captured size with padding
+sequences whose tokens write into a spare KV block that no sequence owns; their outputs are
+dropped. Steps outside the captured sizes (prefill chunks, mixed steps, large batches) run eagerly.
+
+Graphs are captured lazily, the first time a (batch size, query length, captured layers) shape is
+seen, and all share one memory pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warpspec.workers.step import StepInput
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    query_lens: tuple[int, ...] = (1, 4)  # decode; verification with k = 3
+    max_model_len: int = 8192  # block tables of captured steps are this long; longer sequences run eagerly
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"cuda graph batch_sizes must be positive, got {self.batch_sizes}")
+        if not self.query_lens or min(self.query_lens) < 1:
+            raise ValueError(f"cuda graph query_lens must be positive, got {self.query_lens}")
+
+
+def uniform_query_len(step: StepInput) -> int | None:
+    """The common number of new tokens per sequence when the step is graph-shaped, else None.
+    Reads host tensors only (the step before it moves to the GPU)."""
+    query_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
+    q = int(query_lens[0])
+    if not bool((query_lens == q).all()) or step.logits_indices.shape[0] != step.num_tokens:
+        return None
+    return q
+
+
+def pad_step(step: StepInput, batch_size: int, pad_block: int, max_blocks: int, block_size: int) -> StepInput:
+    """The step padded to batch_size sequences of the same query length, block tables widened to
+    max_blocks. Each padding sequence runs its q tokens (id 0) at positions 0..q-1 in pad_block.
+
+    2 real sequences of 4 tokens padded to 4: query_start_loc [0, 4, 8] -> [0, 4, 8, 12, 16]."""
+    num_seqs = step.seq_lens.shape[0]
+    q = step.num_tokens // num_seqs
+    num_pad = batch_size - num_seqs
+    if num_pad < 0 or q > block_size or step.block_tables.shape[1] > max_blocks:
+        raise ValueError(f"a step of {num_seqs} x {q} tokens does not fit a graph of {batch_size} sequences")
+    pad_positions = torch.arange(q).repeat(num_pad)
+    block_tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32)
+    block_tables[:num_seqs, : step.block_tables.shape[1]] = step.block_tables
+    block_tables[num_seqs:, 0] = pad_block
+    return StepInput(
+        input_ids=torch.cat([step.input_ids, torch.zeros(num_pad * q, dtype=torch.int64)]),
+        positions=torch.cat([step.positions, pad_positions]),
+        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int64) * q,
+        seq_lens=torch.cat([step.seq_lens, torch.full((num_pad,), q, dtype=torch.int64)]),
+        block_tables=block_tables,
+        slot_mapping=torch.cat([step.slot_mapping, pad_block * block_size + pad_positions]),
+        logits_indices=torch.arange(batch_size * q, dtype=torch.int64),
+        max_query_len=q,
+        max_seq_len=max_blocks * block_size,
+        aux_layer_ids=list(step.aux_layer_ids),
+    )
+
+
+class CapturedStep:
+    """One graph with the input tensors it reads and the outputs it writes."""
+
+    def __init__(self, model, inputs: StepInput, pool):
+        self.inputs = inputs
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles and autotunes outside the capture
+            for _ in range(2):
+                self._forward(model)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits, self.aux = self._forward(model)
+
+    def _forward(self, model):
+        hidden, aux = model(self.inputs.input_ids, self.inputs.positions, self.inputs,
+                            tuple(self.inputs.aux_layer_ids))
+        return model.compute_logits(hidden), aux
+
+    def replay(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+            getattr(self.inputs, name).copy_(getattr(step, name), non_blocking=True)
+        self.graph.replay()
+        return self.logits, self.aux
+
+
+class CudaGraphRunner:
+    """Runs graph-shaped steps through captured graphs; `run` returns None for any other step."""
+
+    def __init__(self, model, config: CudaGraphConfig, pad_block: int, max_blocks: int, block_size: int,
+                 device: torch.device):
+        self.model = model
+        self.config = config
+        self.pad_block = pad_block
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int, tuple[int, ...]], CapturedStep] = {}
+        self.num_replays = 0
+
+    def graph_batch_size(self, step: StepInput) -> int | None:
+        q = uniform_query_len(step)
+        if q is None or q not in self.config.query_lens or q > self.block_size:
+            return None
+        if step.block_tables.shape[1] > self.max_blocks:
+            return None
+        fitting = [b for b in self.config.batch_sizes if b >= step.seq_lens.shape[0]]
+        return min(fitting) if fitting else None
+
+    def run(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        """step on the host; the real sequences' (logits, aux hidden), or None to run eagerly."""
+        batch_size = self.graph_batch_size(step)
+        if batch_size is None:
+            return None
+        num_tokens = step.num_tokens
+        padded = pad_step(step, batch_size, self.pad_block, self.max_blocks, self.block_size)
+        key = (batch_size, padded.max_query_len, tuple(step.aux_layer_ids))
+        if key not in self.graphs:
+            self.graphs[key] = CapturedStep(self.model, padded.to(self.device), self.pool)
+        logits, aux = self.graphs[key].replay(padded.to(self.device))
+        self.num_replays += 1
+        # Clone: the next replay overwrites the graph's output buffers.
+        return (logits[:num_tokens].clone() if logits is not None else None), [a[:num_tokens].clone() for a in aux]
