@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import ray
+from ray.util.placement_group import PlacementGroup
 
 from warpspec.config import EngineConfig
 from warpspec.coordinator import Coordinator, ReplicaInfo
@@ -41,8 +42,8 @@ class CoordinatorActor:
     def __init__(self):
         self.coordinator: Coordinator | None = None
 
-    def start(self, config: EngineConfig) -> ReplicaInfo:
-        self.coordinator = Coordinator(config)
+    def start(self, config: EngineConfig, placement_group: PlacementGroup) -> ReplicaInfo:
+        self.coordinator = Coordinator(config, placement_group)
         return self.coordinator.info()
 
     def execute(self, step_bytes: bytes) -> bytes:
