@@ -8,6 +8,11 @@ below selects the whole tensor):
 - row-parallel: input features split, each rank produces a partial sum that the next
   `allreduce_residual_rmsnorm` reduces (so there is no collective inside the layer);
 - vocab-parallel embedding / lm_head: vocabulary rows split.
+
+Linear layers may hold FP8 weights (workers/quantization.py converts them before loading): weight
+float8_e4m3fn [out, in] and weight_scale float32 [out], one scale per output row. Their loaders take
+an FP8 checkpoint tensor as it is (its scale is a tensor of its own) and quantize anything else row
+by row as it is read, so no full-precision copy of the model ever exists.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warpspec.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8, quantize_fp8_columns
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 
@@ -27,10 +33,12 @@ class CheckpointTensor:
         self.source = source
         self.shape = tuple(shape)
         self.bytes_read = 0
+        self.dtype: torch.dtype | None = None  # known once read
 
     def read(self, *index: slice) -> torch.Tensor:
         out = self.source[index] if index else self.source[:]
         self.bytes_read += out.numel() * out.element_size()
+        self.dtype = out.dtype
         return out
 
 
@@ -54,7 +62,51 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 def replicated_weight_loader(param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
     check_shape(name, tuple(param.shape), loaded.shape)
-    param.data.copy_(loaded.read())
+    load_rows(param, loaded, name, slice(None))
+
+
+def load_rows(param: nn.Parameter, loaded: CheckpointTensor, name: str, rows: slice, *index: slice,
+              scale: nn.Parameter | None = None) -> None:
+    """param[rows] = loaded[index]. An FP8 param (with its scale [out]) takes FP8 checkpoint data as is
+    and quantizes other data per row, writing the rows' scales to scale[rows]."""
+    data = loaded.read(*index)
+    is_fp8_data = data.dtype == FP8_DTYPE
+    if param.dtype != FP8_DTYPE and is_fp8_data:
+        raise CheckpointError(f"{name} is float8_e4m3fn, but warpspec keeps this module in full precision")
+    if param.dtype != FP8_DTYPE or is_fp8_data:
+        param.data[rows].copy_(data)
+        return
+    weight, weight_scale = quantize_fp8(data.to(param.device))
+    param.data[rows].copy_(weight)
+    scale.data[rows].copy_(weight_scale)
+
+
+def load_experts(param: nn.Parameter, loaded: CheckpointTensor, name: str, first: int,
+                 scale: nn.Parameter | None = None) -> None:
+    """param [num_local, in, out] = loaded[first : first + num_local]. FP8 experts are quantized per
+    output channel (over the input dim) one expert at a time, so the float32 copy that quantizing
+    makes stays one expert's size."""
+    num_local = param.shape[0]
+    if param.dtype != FP8_DTYPE:
+        load_rows(param, loaded, name, slice(None), slice(first, first + num_local))
+        return
+    for e in range(num_local):
+        data = loaded.read(slice(first + e, first + e + 1))[0]
+        if data.dtype == FP8_DTYPE:
+            param.data[e].copy_(data)
+        else:
+            weight, weight_scale = quantize_fp8_columns(data.to(param.device))
+            param.data[e].copy_(weight)
+            scale.data[e].copy_(weight_scale)
+
+
+def load_scale_rows(param: nn.Parameter, loaded: CheckpointTensor, name: str, rows: slice, full_rows: int,
+                    src_rows: slice) -> None:
+    """A checkpoint's per-row weight_scale, [full_rows, 1] in fbgemm's layout (or [full_rows]):
+    src_rows of it into param[rows]."""
+    if loaded.shape not in ((full_rows, 1), (full_rows,)):
+        check_shape(name, (full_rows, 1), loaded.shape)
+    param.data[rows].copy_(loaded.read(src_rows).reshape(-1))
 
 
 class Linear(nn.Module):
@@ -63,9 +115,22 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
+        self.weight.weight_loader = self.weight_loader
+        # Set when the weight is FP8: [out] float32 scales, and a cap on activations' per-token amax.
+        self.weight_scale: nn.Parameter | None = None
+        self.activation_scale_ub: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.activation_scale_ub)
         return F.linear(x, self.weight)
+
+    def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        check_shape(name, tuple(self.weight.shape), loaded.shape)
+        load_rows(param, loaded, name, slice(None), scale=self.weight_scale)
+
+    def scale_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        load_scale_rows(param, loaded, name, slice(None), param.shape[0], slice(None))
 
 
 class ColumnParallelLinear(Linear):
@@ -83,7 +148,6 @@ class ColumnParallelLinear(Linear):
             self.shard_offsets[shard_id] = (offset, end - start)
             offset += end - start
         super().__init__(in_features, offset, dtype)
-        self.weight.weight_loader = self.weight_loader
 
     @classmethod
     def even(cls, in_features: int, shard_sizes: dict[object, int], comm: Communicator,
@@ -113,7 +177,13 @@ class ColumnParallelLinear(Linear):
         full_rows, (start, end) = self.shards[shard_id]
         check_shape(name, (full_rows, param.shape[1]), loaded.shape)
         offset, size = self.shard_offsets[shard_id]
-        param.data[offset : offset + size].copy_(loaded.read(slice(start, end)))
+        load_rows(param, loaded, name, slice(offset, offset + size), slice(start, end), scale=self.weight_scale)
+
+    def scale_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        """The scales of the rows this rank holds, placed like the rows themselves."""
+        full_rows, (start, end) = self.shards[shard_id]
+        offset, size = self.shard_offsets[shard_id]
+        load_scale_rows(param, loaded, name, slice(offset, offset + size), full_rows, slice(start, end))
 
 
 class RowParallelLinear(Linear):
@@ -125,11 +195,12 @@ class RowParallelLinear(Linear):
         local = in_features // comm.world_size
         self.cols = (comm.rank * local, (comm.rank + 1) * local)
         super().__init__(local, out_features, dtype)
-        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
+        """Quantized online, each rank's scales are the amax of its own columns (finer than the whole
+        row's); an FP8 checkpoint's whole-row scales apply to every column slice as they are."""
         check_shape(name, (param.shape[0], self.in_full), loaded.shape)
-        param.data.copy_(loaded.read(slice(None), slice(*self.cols)))
+        load_rows(param, loaded, name, slice(None), slice(None), slice(*self.cols), scale=self.weight_scale)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from warpspec.kernels.fp8 import FP8_DTYPE
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import CheckpointTensor
 from warpspec.workers.llama4 import Llama4ForCausalLM, checkpoint_names, map_checkpoint_name
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.quantization import apply_quantization, resolve_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Tensors some exporters write that carry no weights we need.
@@ -77,18 +79,23 @@ def iter_checkpoint_tensors(files: list[Path]) -> Iterator[CheckpointTensor]:
 class LoadReport:
     bytes_read: int  # checkpoint bytes this rank read (its shard plus the replicated tensors)
     param_bytes: int  # bytes of the parameters it holds
+    fp8_modules: list[str] = field(default_factory=list)  # layers holding FP8 weights
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               comm: Communicator | None = None) -> Llama4ForCausalLM:
+               comm: Communicator | None = None, quantization: str | None = None) -> Llama4ForCausalLM:
+    """quantization: None (the checkpoint's own precision: FP8 for an fbgemm_fp8 checkpoint) or "fp8"
+    (quantize a full-precision checkpoint's linears and experts as they load; see quantization.py)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
+    quant = resolve_quantization(model_dir, quantization)
     files = safetensors_files(model_dir)
+    prefix = config.tensor_prefix
     with torch.device(device):
         model = Llama4ForCausalLM(config, resolve_dtype(dtype, config), comm)
+    fp8_modules = apply_quantization(model, quant, files, prefix)
     params = dict(model.named_parameters())
     pending = {(hf_name, shard): name for name in params for hf_name, shard in checkpoint_names(name)}
-    prefix = config.tensor_prefix
     bytes_read = 0
     progress = tqdm(desc="loading weights", unit="tensor", total=len(pending), disable=None, leave=False)
     for raw_name, tensor in iter_checkpoint_tensors(files):
@@ -104,13 +111,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         param.weight_loader(param, tensor, raw_name, shard_id)
         bytes_read += tensor.bytes_read
         pending.pop((name, shard_id), None)
+        if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+            pending.pop((name + "_scale", shard_id), None)  # quantized while loading: scale computed
         progress.update()
     progress.close()
     if pending:
         missing = sorted(prefix + hf_name for hf_name, _ in pending)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
-    model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()))
+    model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()),
+                                   fp8_modules)
     return model.eval()
 
 

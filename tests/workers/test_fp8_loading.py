@@ -1,0 +1,161 @@
+"""FP8 weights: online quantization of a full-precision checkpoint, and loading the fbgemm_fp8 layout
+Meta published for Llama 4 (generated here by tests/fp8_checkpoints.py from the same checkpoint).
+
+Both paths quantize the same tensors with the same per-output-channel rule, so their logits must be
+identical; and both must stay close to the unquantized model's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fp8_checkpoints import make_fbgemm_fp8_checkpoint
+from safetensors.torch import load_file, save_file
+
+from hf_checkpoints import make_text_checkpoint
+from warpspec.kernels.fp8 import FP8_DTYPE
+from warpspec.workers.errors import CheckpointError
+from warpspec.workers.kv_cache import allocate_kv_cache
+from warpspec.workers.loader import load_model
+from warpspec.workers.step import SequenceStep, StepInput
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # 5 experts (uneven over 2 ranks), MoE every other layer (dense MLPs too), untied lm_head.
+    return make_text_checkpoint(tmp_path_factory.mktemp("fp32"), num_local_experts=5, interleave_moe_layer_step=2,
+                                num_experts_per_tok=2, num_key_value_heads=2, attention_chunk_size=8,
+                                tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(checkpoint, tmp_path_factory):
+    return make_fbgemm_fp8_checkpoint(checkpoint, tmp_path_factory.mktemp("fbgemm_fp8"))
+
+
+def prompt() -> list[int]:
+    return torch.randint(3, 160, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def prompt_logits(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] float32 logits at every position of one prefill."""
+    dtype = model.model.embed_tokens.weight.dtype
+    num_kv_heads = model.model.layers[0].self_attn.num_kv_heads
+    model.bind_kv_cache(allocate_kv_cache(model.config, num_kv_heads, 16, BLOCK, dtype, torch.device("cpu")))
+    step = StepInput.build([SequenceStep(tokens, 0, list(range(16)), logits_from=0)], block_size=BLOCK)
+    with torch.inference_mode():
+        hidden, _ = model(step.input_ids, step.positions, step)
+        return model.compute_logits(hidden[step.logits_indices])
+
+
+def test_online_fp8_quantizes_linears_and_experts_only(checkpoint):
+    model = load_model(checkpoint, "float32", quantization="fp8")
+    params = dict(model.named_parameters())
+    layer0, layer1 = "model.layers.0.", "model.layers.1."  # dense, MoE
+    for name in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "feed_forward.gate_up_proj.weight",
+                 "feed_forward.down_proj.weight"):
+        assert params[layer0 + name].dtype == FP8_DTYPE
+        assert params[layer0 + name + "_scale"].shape == params[layer0 + name].shape[:1]
+    experts = layer1 + "feed_forward.experts."
+    assert params[experts + "gate_up_proj"].dtype == params[experts + "down_proj"].dtype == FP8_DTYPE
+    assert params[experts + "gate_up_proj_scale"].shape == (5, 2 * 32)  # [E, 2I]
+    assert params[experts + "down_proj_scale"].shape == (5, 64)  # [E, H]
+    assert params[layer1 + "feed_forward.shared_expert.down_proj.weight"].dtype == FP8_DTYPE
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 layer1 + "feed_forward.router.weight", layer0 + "input_layernorm.weight"):
+        assert params[name].dtype == torch.float32, name
+    # Scales are per output channel: a row's scale is its own amax / 448.
+    raw = load_file(checkpoint / "model.safetensors")
+    o_proj = raw[layer0 + "self_attn.o_proj.weight"]
+    torch.testing.assert_close(params[layer0 + "self_attn.o_proj.weight_scale"], o_proj.abs().amax(1) / 448)
+    gate_up = raw[experts + "gate_up_proj"]  # [E, H, 2I]: scales over H
+    torch.testing.assert_close(params[experts + "gate_up_proj_scale"], gate_up.abs().amax(1) / 448)
+    full = load_model(checkpoint, "float32")
+    assert model.load_report.param_bytes < 0.6 * full.load_report.param_bytes
+
+
+def test_fbgemm_checkpoint_gives_the_logits_of_online_quantization(checkpoint, fp8_checkpoint):
+    tokens = prompt()
+    from_checkpoint = load_model(fp8_checkpoint, "float32")
+    assert "model.layers.1.feed_forward.experts" in from_checkpoint.load_report.fp8_modules
+    online = load_model(checkpoint, "float32", quantization="fp8")
+    assert from_checkpoint.load_report.fp8_modules == online.load_report.fp8_modules
+    expected = prompt_logits(online, tokens)
+    torch.testing.assert_close(prompt_logits(from_checkpoint, tokens), expected, atol=0, rtol=0)
+    # quantization="fp8" on an FP8 checkpoint is the same thing.
+    again = load_model(fp8_checkpoint, "float32", quantization="fp8")
+    torch.testing.assert_close(prompt_logits(again, tokens), expected, atol=0, rtol=0)
+    # FP8 reads about a quarter of the float32 bytes for the quantized tensors.
+    assert from_checkpoint.load_report.bytes_read < 0.5 * load_model(checkpoint, "float32").load_report.bytes_read
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_logits_stay_close_to_full_precision(checkpoint, fp8_checkpoint, dtype):
+    tokens = prompt()
+    reference = prompt_logits(load_model(checkpoint, "float32"), tokens)
+    got = prompt_logits(load_model(fp8_checkpoint, dtype), tokens)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    # This random model (init std 0.2, peaked logits) amplifies weight errors: bf16 weights alone
+    # move its logits by 3.9% (relative norm); FP8, with 4 fewer mantissa bits, measured 12.7% in
+    # float32 and bf16 alike, the greedy token unchanged at 21 of 24 positions.
+    relative = ((got - reference).norm() / reference.norm()).item()
+    assert relative < 0.2
+    agree = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    assert agree >= 0.75
+
+
+def test_modules_to_not_convert_stay_in_full_precision(checkpoint, tmp_path):
+    """Meta's FP8 release keeps some modules in bf16; warpspec reads which from the tensors' dtypes."""
+    not_converted = ["lm_head", "feed_forward.router", "model.layers.0.self_attn", r".*shared_expert"]
+    path = make_fbgemm_fp8_checkpoint(checkpoint, tmp_path / "partial", not_converted)
+    model = load_model(path, "float32")
+    params = dict(model.named_parameters())
+    assert params["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float32
+    assert "model.layers.0.self_attn.qkv_proj.weight_scale" not in params
+    assert params["model.layers.1.self_attn.qkv_proj.weight"].dtype == FP8_DTYPE
+    assert params["model.layers.1.feed_forward.shared_expert.gate_up_proj.weight"].dtype == torch.float32
+    assert params["model.layers.1.feed_forward.experts.gate_up_proj"].dtype == FP8_DTYPE
+    reference = prompt_logits(load_model(checkpoint, "float32"), prompt())
+    got = prompt_logits(model, prompt())
+    assert ((got - reference).norm() / reference.norm()).item() < 0.2  # as in the test above
+
+
+def test_fp8_router_from_a_checkpoint_that_quantized_it(checkpoint, tmp_path):
+    """transformers converts every nn.Linear not listed, the router included: such a checkpoint loads
+    with an FP8 router."""
+    path = make_fbgemm_fp8_checkpoint(checkpoint, tmp_path / "router", ["lm_head"])
+    model = load_model(path, "float32")
+    assert model.model.layers[1].feed_forward.router.weight.dtype == FP8_DTYPE
+    assert torch.isfinite(prompt_logits(model, prompt())).all()
+
+
+def test_unknown_quantization_names_the_field_and_choices(checkpoint):
+    with pytest.raises(ValueError, match=r"quantization must be one of fp8 .* got 'int4'"):
+        load_model(checkpoint, "float32", quantization="int4")
+
+
+def test_checkpoint_quantized_another_way_is_refused(checkpoint, tmp_path):
+    path = make_fbgemm_fp8_checkpoint(checkpoint, tmp_path / "gptq")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quant_method 'gptq' is not supported; warpspec loads fbgemm_fp8"):
+        load_model(path, "float32")
+
+
+def test_missing_or_misshaped_scale_is_reported(fp8_checkpoint, tmp_path):
+    tensors = load_file(fp8_checkpoint / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    for case, edit in (("missing", lambda t: t.pop(name)),
+                       ("misshaped", lambda t: t.__setitem__(name, t[name][:3]))):
+        path = tmp_path / case
+        path.mkdir()
+        (path / "config.json").write_text((fp8_checkpoint / "config.json").read_text())
+        broken = dict(tensors)
+        edit(broken)
+        save_file(broken, str(path / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=name):
+            load_model(path, "float32")
