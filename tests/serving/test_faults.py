@@ -1,0 +1,222 @@
+"""Faults with real process kills, on a replica sharded over Ray actors (a coordinator and 2 workers)
+deployed beside the shared stack: a SIGKILLed worker or coordinator fails the streams in flight with
+UNAVAILABLE within seconds, the replica reports unhealthy while it rebuilds, then serves the same
+tokens as before with as many actors, placement groups and replica memory as before. Scale-down
+finishes what it can, cuts off the rest, and releases every actor and placement group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+from conftest import ENGINE_ARGS
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from warpspec.async_llm import AsyncLLM
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+from warpspec.sampling_params import SamplingParams
+from warpspec.serving.replica_engine import ReplicaDrainingError, ReplicaEngine
+from warpspec.serving.wire_errors import wire_error
+
+pytestmark = pytest.mark.slow
+
+FAULT_APP = "faults"
+# Room for three 1,000-token requests: one outlives the drain timeout below.
+SHARDED_ARGS = {**ENGINE_ARGS, "num_workers": 2, "max_model_len": 1024, "num_kv_blocks": 200}
+
+
+def _alive_actors() -> int:
+    import ray
+
+    return sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
+
+
+def _live_placement_groups() -> int:
+    import ray
+
+    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def _deploy(name: str, **options):
+    from ray import serve
+
+    from warpspec.serving.deployment import WarpspecServer
+
+    def deploy(checkpoint):
+        app = WarpspecServer.options(name=f"{name}-server", ray_actor_options={"num_cpus": 1}, **options)
+        return serve.run(app.bind(str(checkpoint), SHARDED_ARGS, "tiny"), name=name, route_prefix=f"/{name}")
+
+    return deploy
+
+
+@pytest.fixture(scope="module")
+def fault_app(serving_stack):
+    from ray import serve
+
+    baseline = (_alive_actors(), _live_placement_groups())
+    handle = _deploy(FAULT_APP)(serving_stack.model_path)
+    with grpc.insecure_channel(serving_stack.grpc_target) as channel:
+        yield handle, channel
+    serve.delete(FAULT_APP)
+    # Deleting the app released the replica, its coordinator, its workers and their placement group.
+    _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30, f"back to {baseline}")
+
+
+def _metadata(app: str) -> list[tuple[str, str]]:
+    return [("application", app)]
+
+
+def _greedy(stub, app: str, max_tokens: int = 16) -> list[int]:
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                 params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return list(stub.Generate(request, timeout=60, metadata=_metadata(app)).token_ids)
+
+
+class Stream(threading.Thread):
+    """One streaming request in a thread: records tokens received, the final status and when it ended."""
+
+    def __init__(self, stub, app: str, max_tokens: int):
+        super().__init__(daemon=True)
+        self.stub, self.app, self.max_tokens = stub, app, max_tokens
+        self.started = threading.Event()
+        self.num_tokens, self.code, self.details, self.ended_at = 0, None, "", None
+
+    def run(self) -> None:
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                                     params=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
+                                                              ignore_eos=True))
+        try:
+            for reply in self.stub.GenerateStream(request, timeout=120, metadata=_metadata(self.app)):
+                self.num_tokens += len(reply.token_ids)
+                self.started.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.code, self.details = e.code(), e.details()
+        self.started.set()
+        self.ended_at = time.monotonic()
+
+
+@pytest.mark.parametrize("victim", ["worker", "coordinator"])
+def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_app, victim):
+    handle, channel = fault_app
+    stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
+    expected = _greedy(stub, FAULT_APP)
+    before = handle.processes.remote().result()
+    actors_before, groups_before = _alive_actors(), _live_placement_groups()
+    rss_before = psutil.Process(before.pid).memory_info().rss
+    assert len(before.worker_pids) == 2 and before.coordinator_pid is not None
+
+    streams = [Stream(stub, FAULT_APP, max_tokens=1000) for _ in range(3)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.started.wait(60) and s.code is None, "the stream did not start"
+    pid = before.worker_pids[1] if victim == "worker" else before.coordinator_pid
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for s in streams:
+        s.join(timeout=15)
+        assert not s.is_alive(), "a stream hung after the kill"
+        assert s.code == grpc.StatusCode.UNAVAILABLE, (s.code, s.details)
+        assert s.ended_at - killed_at < 10
+        assert "died" in s.details and "Traceback" not in s.details
+
+    # Unhealthy while it rebuilds (the gRPC health service and Serve's own check agree), then healthy.
+    check = health_pb2.HealthCheckRequest()
+    assert health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status == \
+        health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(Exception, match="cannot serve"):
+        handle.check_health.remote().result()
+    _wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
+              health_pb2.HealthCheckResponse.SERVING, 90, "the replica to serve again")
+
+    after = handle.processes.remote().result()
+    assert after.pid == before.pid, "Serve replaced the replica instead of it rebuilding"
+    assert after.num_rebuilds == before.num_rebuilds + 1
+    assert after.coordinator_pid != before.coordinator_pid and not set(after.worker_pids) & set(before.worker_pids)
+    assert _greedy(stub, FAULT_APP) == expected
+    # Nothing doubled: the dead coordinator's or survivors' actors and placement group are gone.
+    _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == (actors_before, groups_before), 20,
+              f"{actors_before} actors and {groups_before} placement groups")
+    rss_after = psutil.Process(after.pid).memory_info().rss
+    assert abs(rss_after - rss_before) < 0.10 * rss_before, (rss_before, rss_after)
+
+
+def test_scale_down_finishes_short_requests_cuts_off_long_ones_and_releases_everything(serving_stack):
+    from ray import serve
+
+    app = "drain"
+    baseline = (_alive_actors(), _live_placement_groups())
+    grace_s = 3.0  # Serve waits this long for requests in flight, then stops the replica
+    _deploy(app, graceful_shutdown_timeout_s=grace_s, graceful_shutdown_wait_loop_s=0.2)(serving_stack.model_path)
+    assert _live_placement_groups() == baseline[1] + 1
+    with grpc.insecure_channel(serving_stack.grpc_target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        short = [Stream(stub, app, max_tokens=40) for _ in range(2)]
+        long = Stream(stub, app, max_tokens=1000)
+        for s in [*short, long]:
+            s.start()
+        for s in [*short, long]:
+            assert s.started.wait(60) and s.code is None
+        deleting_at = time.monotonic()
+        serve.delete(app)
+        for s in [*short, long]:
+            s.join(timeout=30)
+            assert not s.is_alive(), "a stream hung through scale-down"
+    assert all(s.code == grpc.StatusCode.OK and s.num_tokens == 40 for s in short), \
+        [(s.code, s.num_tokens) for s in short]
+    assert long.code != grpc.StatusCode.OK and long.num_tokens < 1000
+    assert long.ended_at - deleting_at < grace_s + 10
+    _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30,
+              f"the replica's actors and placement group released ({baseline})")
+
+
+def test_drain_finishes_in_flight_work_then_cuts_off_the_rest_and_refuses_new(serving_checkpoint):
+    """ReplicaEngine.drain in-process: what a replica's __del__ does with requests still in flight."""
+
+    async def main():
+        engine = ReplicaEngine(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=512,
+                                                     num_kv_blocks=64), "tiny")
+
+        async def run(max_tokens: int):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            try:
+                return [t async for out in engine.stream([1, 2, 3], params) for t in out.new_token_ids]
+            except Exception as e:  # noqa: BLE001 - the test inspects what came out
+                return e
+
+        tasks = [asyncio.create_task(run(8)), asyncio.create_task(run(500))]
+        await asyncio.sleep(0.3)
+        drain = asyncio.create_task(engine.drain(timeout_s=1.0))
+        await asyncio.sleep(0)
+        refused = await run(4)  # arrives while draining
+        num_cut = await drain
+        short, long = await asyncio.gather(*tasks)
+        assert isinstance(refused, ReplicaDrainingError)
+        assert wire_error(refused).grpc_code == grpc.StatusCode.UNAVAILABLE
+        assert len(short) == 8
+        assert isinstance(long, ReplicaDrainingError) and "drain timeout 1 s" in str(long)
+        assert num_cut == 1
+        await asyncio.sleep(0.05)  # the abort lands before the next (idle) step
+        stats = engine.stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_in_flight == 0
+        assert engine.failure is None  # draining is not a fault: nothing to rebuild
+        await engine.shutdown()
+
+    asyncio.run(main())
