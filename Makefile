@@ -7,7 +7,7 @@ RUN_DIR ?= runs
 BUNDLE := assets
 CORPUS := /usr/share/doc/linux-doc-6.1/html/_sources
 
-.PHONY: install demo bundle test lint clean
+.PHONY: install demo bundle test lint clean gpu-check
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ bundle: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/warpspec train-draft --target $(BUNDLE)/tiny-maverick \
 		--data $(RUN_DIR)/draft-data.jsonl --out $(BUNDLE)/tiny-maverick-eagle3 --draft-vocab-size 2048 \
 		--intermediate-size 768 --seq-len 160 --batch-size 16 --steps 1200 --lr 3e-3 --eval-every 100
+
+# On a GPU machine (torch and Triton there, nothing to install): kernels, bandwidth and one simulated
+# Maverick rank, reported under benchmarks/results/. `warpspec bench gpu_check --tiny` runs it on a CPU.
+gpu-check:
+	bash benchmarks/gpu_check.sh benchmarks/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

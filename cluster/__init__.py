@@ -1,8 +1,23 @@
-"""warpspec: serving Llama 4 mixture-of-experts models with EAGLE-3 speculative decoding on Ray."""
+"""warpspec: serving Llama 4 mixture-of-experts models with EAGLE-3 speculative decoding on Ray.
 
-from warpspec.llm import LLM
-from warpspec.outputs import Logprob, RequestOutput
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.workers.errors import CheckpointError
+The public names load on first use, so that importing a submodule that needs no Ray (the kernels,
+the GPU check run on a machine that has torch and Triton only) does not import Ray."""
 
-__all__ = ["LLM", "CheckpointError", "InvalidRequestError", "Logprob", "RequestOutput", "SamplingParams"]
+import importlib
+
+_PUBLIC = {
+    "LLM": "warpspec.llm",
+    "Logprob": "warpspec.outputs",
+    "RequestOutput": "warpspec.outputs",
+    "InvalidRequestError": "warpspec.sampling_params",
+    "SamplingParams": "warpspec.sampling_params",
+    "CheckpointError": "warpspec.workers.errors",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'warpspec' has no attribute {name!r}")

@@ -1,0 +1,164 @@
+"""Part 1 and 2 of the GPU check: every Triton kernel against its torch reference (max error,
+pass/fail, median time of each), and the memory bandwidth that decode attention and the small-batch
+MoE path achieve, as a fraction of what a plain copy achieves.
+
+Shapes are one Maverick rank's (of 8): 5 query heads and 1 KV head of 128 dims, hidden 5120, 16 local
+experts with intermediate 8192. `tiny` shrinks them for a CPU run under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from warpspec.benchmarks.timing import median_ms
+from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference
+from warpspec.kernels.fp8 import quantize_fp8_reference
+from warpspec.kernels.moe import moe_experts_reference, route_topk_sigmoid_reference
+from warpspec.kernels.norm import add_rms_norm_reference
+from warpspec.kernels.rope import rope_qk_norm_reference
+
+
+@dataclass
+class Shapes:
+    hidden: int = 5120
+    heads: int = 5
+    kv_heads: int = 1
+    head_dim: int = 128
+    block_size: int = 16
+    context: int = 4096  # tokens already cached per sequence in the attention checks
+    experts: int = 16
+    inter: int = 8192
+
+    @classmethod
+    def tiny(cls) -> Shapes:
+        return cls(hidden=128, heads=5, kv_heads=1, head_dim=32, block_size=16, context=40, experts=4, inter=64)
+
+
+@dataclass
+class KernelResult:
+    name: str
+    max_abs_error: float
+    tolerance: float
+    passed: bool
+    triton_ms: float
+    reference_ms: float
+    bytes_moved: int = 0  # the bytes the kernel must read/write, where bandwidth is reported
+
+    @property
+    def speedup(self) -> float:
+        return self.reference_ms / self.triton_ms if self.triton_ms else float("nan")
+
+
+def _max_error(a, b) -> float:
+    if isinstance(a, tuple | list):
+        return max(_max_error(x, y) for x, y in zip(a, b, strict=True))
+    return (a.float() - b.float()).abs().max().item()
+
+
+def _attention_case(shapes: Shapes, batch: int, query_len: int, dtype, device, gen):
+    """batch sequences of context + query_len tokens on shuffled blocks."""
+    seq_len = shapes.context + query_len
+    blocks_per_seq = -(-seq_len // shapes.block_size)
+    num_blocks = batch * blocks_per_seq
+    cache_shape = (num_blocks, shapes.block_size, shapes.kv_heads, shapes.head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen, device=device).to(dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
+    query_lens = torch.full((batch,), query_len, device=device)
+    meta = PagedAttentionMetadata(torch.cat([torch.zeros(1, device=device, dtype=torch.long), query_lens.cumsum(0)]),
+                                  torch.full((batch,), seq_len, device=device), block_tables, shapes.block_size,
+                                  query_len, seq_len)
+    query = torch.randn(batch * query_len, shapes.heads, shapes.head_dim, generator=gen, device=device).to(dtype)
+    kv_bytes = 2 * batch * seq_len * shapes.kv_heads * shapes.head_dim * key_cache.element_size()
+    return (query, key_cache, value_cache, meta, 1 / math.sqrt(shapes.head_dim), None), kv_bytes
+
+
+def _moe_case(shapes: Shapes, num_tokens: int, fp8: bool, dtype, device, gen):
+    x = torch.randn(num_tokens, shapes.hidden, generator=gen, device=device).to(dtype)
+    logits = torch.randn(num_tokens, shapes.experts, generator=gen, device=device)
+    expert_ids, scores = route_topk_sigmoid_reference(logits, 1)
+    gate_up = torch.randn(shapes.experts, shapes.hidden, 2 * shapes.inter, generator=gen, device=device, dtype=dtype)
+    down = torch.randn(shapes.experts, shapes.inter, shapes.hidden, generator=gen, device=device, dtype=dtype)
+    gate_up.mul_(shapes.hidden ** -0.5)
+    down.mul_(shapes.inter ** -0.5)
+    scales = (None, None)
+    if fp8:
+        gate_up_scale = gate_up.float().abs().amax(dim=1) / 448
+        down_scale = down.float().abs().amax(dim=1) / 448
+        gate_up = (gate_up.float() / gate_up_scale[:, None, :]).to(torch.float8_e4m3fn)
+        down = (down.float() / down_scale[:, None, :]).to(torch.float8_e4m3fn)
+        scales = (gate_up_scale, down_scale)
+    num_used = int(expert_ids.unique().numel())
+    weight_bytes = num_used * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    return (x, gate_up, down, expert_ids, scores.to(dtype), 0, *scales), weight_bytes
+
+
+def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[KernelResult]:
+    from warpspec.kernels.triton.attention import paged_attention_triton
+    from warpspec.kernels.triton.fp8 import quantize_fp8_triton
+    from warpspec.kernels.triton.moe import moe_experts_triton, route_topk_sigmoid_triton
+    from warpspec.kernels.triton.norm import add_rms_norm_triton
+    from warpspec.kernels.triton.rope import rope_qk_norm_triton
+
+    shapes = Shapes.tiny() if tiny else Shapes()
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = 8
+    x = torch.randn(tokens, shapes.hidden, generator=gen, device=device).to(dtype)
+    residual = torch.randn(tokens, shapes.hidden, generator=gen, device=device).to(dtype)
+    weight = torch.rand(shapes.hidden, generator=gen, device=device).to(dtype)
+    q = torch.randn(tokens, shapes.heads, shapes.head_dim, generator=gen, device=device).to(dtype)
+    k = torch.randn(tokens, shapes.kv_heads, shapes.head_dim, generator=gen, device=device).to(dtype)
+    angles = torch.rand(tokens, shapes.head_dim // 2, generator=gen, device=device) * 1000
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    router_logits = torch.randn(tokens, 128 if not tiny else 16, generator=gen, device=device).to(dtype)
+    # name -> (triton fn, reference fn, args, tolerance on max |error|, bytes for bandwidth)
+    cases = {
+        "add_rms_norm [8 x hidden]": (add_rms_norm_triton, add_rms_norm_reference, (x, residual, weight, 1e-5),
+                                      0.05, 0),
+        "rope + qk_norm [8 tokens]": (rope_qk_norm_triton, rope_qk_norm_reference, (q, k, freqs, 1e-6), 0.05, 0),
+        "route_topk_sigmoid [8 x 128]": (route_topk_sigmoid_triton, route_topk_sigmoid_reference,
+                                         (router_logits, 1), 0.01, 0),
+        "quantize_fp8 rows [8 x hidden]": (quantize_fp8_triton, quantize_fp8_reference, (x.float(),), 0.0, 0),
+    }
+    for batch, query_len, label in ((1, 1, "decode b1"), (8, 1, "decode b8"), (8, 4, "verify b8 x 4")):
+        args, kv_bytes = _attention_case(shapes, batch, query_len, dtype, device, gen)
+        cases[f"paged_attention {label}, ctx {shapes.context}"] = (paged_attention_triton, paged_attention_reference,
+                                                                   args, 0.05, kv_bytes)
+    for num_tokens, fp8 in ((1, True), (8, True), (8, False)):
+        args, weight_bytes = _moe_case(shapes, num_tokens, fp8, dtype, device, gen)
+        label = f"moe_experts {num_tokens} token{'s' if num_tokens > 1 else ''} {'fp8' if fp8 else 'bf16'}"
+        cases[label] = (moe_experts_triton, moe_experts_reference, args, 0.1, weight_bytes)
+    results = []
+    for name, (triton_fn, reference_fn, args, tolerance, num_bytes) in cases.items():
+        error = _max_error(_as_comparable(triton_fn(*args)), _as_comparable(reference_fn(*args)))
+        results.append(KernelResult(
+            name=name, max_abs_error=error, tolerance=tolerance, passed=error <= tolerance,
+            triton_ms=median_ms(lambda f=triton_fn, a=args: f(*a), device, repeats),
+            reference_ms=median_ms(lambda f=reference_fn, a=args: f(*a), device, repeats),
+            bytes_moved=num_bytes))
+    return results
+
+
+def _as_comparable(out):
+    """FP8 outputs compare as float32; tuples element by element."""
+    if isinstance(out, tuple):
+        return tuple(_as_comparable(o) for o in out)
+    return out.float()
+
+
+def bandwidth_rows(results: list[KernelResult], copy_gbs: float) -> list[dict]:
+    rows = []
+    for r in results:
+        if r.bytes_moved:
+            achieved = r.bytes_moved / r.triton_ms / 1e6
+            rows.append({"kernel": r.name, "bytes": r.bytes_moved, "triton_ms": r.triton_ms,
+                         "achieved_gbs": achieved, "fraction_of_copy": achieved / copy_gbs})
+    return rows
+
+
+def as_dicts(results: list[KernelResult]) -> list[dict]:
+    return [{**asdict(r), "speedup": r.speedup} for r in results]

@@ -1,0 +1,57 @@
+"""The GPU check script stays ready to run: its tiny mode runs the same code on this CPU (Triton
+under the interpreter), and it imports without Ray (the GPU machine may have torch and Triton only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.slow
+def test_tiny_gpu_check_reports_every_part(tmp_path):
+    from warpspec.benchmarks.gpu_check import main
+
+    status = main(["--tiny", "--out", str(tmp_path), "--repeats", "1"])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert status == 0 and report["errors"] == []
+    names = [k["name"] for k in report["kernels"]]
+    for kernel in ("add_rms_norm", "rope + qk_norm", "route_topk_sigmoid", "quantize_fp8", "paged_attention decode",
+                   "paged_attention verify", "moe_experts 1 token fp8", "moe_experts 8 tokens bf16"):
+        assert any(n.startswith(kernel) for n in names), kernel
+    assert all(k["passed"] for k in report["kernels"])
+    assert {b["kernel"] for b in report["bandwidth"]} == {n for n in names if n.startswith(("paged", "moe"))}
+    shapes = {(r["batch"], r["query_len"]) for r in report["simulation"]}
+    assert shapes == {(1, 1), (1, 4), (8, 1), (8, 4)}
+    for row in report["simulation"]:
+        assert row["eager_ms"] > 0 and row["total_gb"] > 0
+        # 8 sequences x 4 tokens choose more experts than 1 token, so the step reads more.
+    by_shape = {(r["batch"], r["query_len"]): r for r in report["simulation"]}
+    assert by_shape[(8, 4)]["expected_distinct_experts"] > by_shape[(1, 1)]["expected_distinct_experts"] == 1
+    projection = report["projection"]["8us"]
+    assert {p["tokens_per_step"] for p in projection} == {1.0, report["acceptance_length"]}
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "| kernel | max abs error |" in markdown and "tokens/s per user" in markdown
+
+
+def test_gpu_check_imports_without_ray():
+    code = ("import sys, warpspec.benchmarks.gpu_check, warpspec.benchmarks.kernel_check, "
+            "warpspec.benchmarks.maverick_rank; print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_gpu_check_without_a_gpu_needs_tiny(tmp_path, capsys):
+    import torch
+
+    from warpspec.benchmarks.gpu_check import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path)])
+    assert "use --tiny" in capsys.readouterr().err
