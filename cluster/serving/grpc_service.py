@@ -58,6 +58,7 @@ class GenerationService:
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     def model_info(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        reject_unknown_fields(request, "GetModelInfoRequest")
         d = self.engine.description
         return pb.ModelInfo(model=d.name, model_path=d.path, max_model_len=d.max_model_len,
                             num_workers=d.num_workers, draft=d.draft or "",

@@ -9,6 +9,7 @@ from warpspec.engine import Prompt
 from warpspec.outputs import PositionLogprobs, RequestOutput
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.serving.grpc_servicers import MalformedMessage
 from warpspec.serving.limits import RequestLimits
 
 # proto field -> SamplingParams field, for the `optional` scalars copied only when set.
@@ -30,7 +31,9 @@ def check_max_tokens(max_tokens: object, max_model_len: int, field: str = "max_t
 
 def reject_unknown_fields(message, name: str) -> None:
     """Proto3 keeps fields it does not know silently; a client speaking a newer API version would get
-    defaults it did not ask for, so say so instead."""
+    defaults it did not ask for, so say so instead. Bytes that did not parse at all are refused too."""
+    if isinstance(message, MalformedMessage):
+        raise InvalidRequestError(message.describe())
     numbers = sorted({field.field_number for field in unknown_fields.UnknownFieldSet(message)})
     if numbers:
         raise InvalidRequestError(f"{name} has fields this server does not know (numbers {numbers}); "

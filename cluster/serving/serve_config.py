@@ -15,7 +15,8 @@ from warpspec.serving.auth import ApiKeyAuth, resolve_api_key
 from warpspec.serving.limits import MIB, RequestLimits
 
 GRPC_SERVICER_FUNCTIONS = [
-    "warpspec.protos.warpspec.v1.generation_pb2_grpc.add_GenerationServicer_to_server",
+    # The generated servicer's handlers, with parsing that turns malformed bytes into INVALID_ARGUMENT.
+    "warpspec.serving.grpc_servicers.add_GenerationServicer_to_server",
     # The standard health service, answered by the replica's Check method (Kubernetes gRPC probes).
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
@@ -30,6 +31,7 @@ ENGINE_ARGS: dict[str, tuple[type, Any]] = {
     "enable_prefix_caching": (bool, True), "compile_draft": (bool, True), "seed": (int, 0), "run_dir": (str, "runs"),
     # How long a new replica waits for its workers' GPUs; on Kubernetes the autoscaler may first have to add a node.
     "placement_timeout_s": (float, 60.0),
+    "quantization": (str, None),  # "fp8": FP8 weights, quantized at load (workers/quantization.py)
 }
 
 
