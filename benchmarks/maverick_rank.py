@@ -110,6 +110,7 @@ def bytes_per_step(model: Llama4ForCausalLM, shape: RankShape, num_tokens: int, 
             "expected_distinct_experts": distinct, "kv_cache_gb": kv_bytes / 1e9, "total_gb": total / 1e9}
 
 
+@torch.inference_mode()
 def run_simulation(shape: RankShape, device: torch.device, repeats: int, batches=(1, 8),
                    query_lens=(1, 4)) -> dict:
     model = build_rank(shape, device)
@@ -141,7 +142,6 @@ def run_simulation(shape: RankShape, device: torch.device, repeats: int, batches
     return {"rows": rows}
 
 
-@torch.inference_mode()
 def _eager(model, step: StepInput, device: torch.device):
     step = step.to(device)
     hidden, _ = model(step.input_ids, step.positions, step)
