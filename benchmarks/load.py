@@ -1,0 +1,390 @@
+"""`warpspec bench load`: a load test over gRPC against a local deployment, and what must hold after it.
+
+Load: N concurrent streaming clients (default 64) share M requests per round (default 500) of mixed
+kinds and lengths: most run to completion (ignore_eos, so each must get exactly max_tokens tokens),
+some are cancelled by the client mid-stream, some carry a 1 ms deadline, some have bad parameters
+(each with the status and message fragment it must get). Three identical rounds by default.
+
+Checked after every round, and reported: every request got the right number of tokens or the
+expected status; no KV block leaked (free == total once idle); the replica is healthy. After all
+rounds: as many Ray actors and placement groups as right after deployment (no orphans); memory
+(RSS of the replica, its coordinator and workers) grew less than 5% between the last two rounds.
+Determinism: greedy outputs of fixed prompts are identical alone and amid the load, without and with
+speculation (the bundled pair). TTFT / TPOT percentiles of the completed requests.
+
+Writes runs/bench/load.json and load.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+
+# Kinds of request in the mix, with their share.
+MIX = {"complete": 0.70, "cancel": 0.10, "deadline": 0.10, "bad": 0.10}
+PROMPT_LENS = (4, 16, 48, 120)
+# Bad parameters and what the replica must answer: (params, field the message names).
+BAD_PARAMS = [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_k": -5}, "top_k"),
+              ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"max_tokens": 10**6}, "max")]
+MAX_RSS_GROWTH = 0.05
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    num_clients: int = 64
+    num_requests: int = 500
+    max_new_tokens: int = 48
+    vocab_size: int = 8192
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    kind: str
+    expected: str  # what must happen: "N tokens", a status code name
+    ok: bool
+    status: str
+    num_tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Round:
+    results: list[Result]
+    wall_s: float
+    stats_after: dict = field(default_factory=dict)
+
+    @property
+    def failures(self) -> list[Result]:
+        return [r for r in self.results if not r.ok]
+
+
+def make_requests(spec: LoadSpec, seed: int) -> list[tuple[str, pb.GenerateRequest, int]]:
+    """(kind, request, cancel_after) for one round; the same seed gives the same round."""
+    rng = random.Random(seed)
+    kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=spec.num_requests)
+    requests = []
+    for i, kind in enumerate(kinds):
+        prompt = [rng.randrange(3, spec.vocab_size) for _ in range(rng.choice(PROMPT_LENS))]
+        params = {"max_tokens": rng.randint(1, spec.max_new_tokens), "temperature": 0.0, "ignore_eos": True}
+        cancel_after = 0
+        if kind == "cancel":
+            params["max_tokens"], cancel_after = spec.max_new_tokens * 4, rng.randint(1, 4)
+        elif kind == "bad":
+            params.update(BAD_PARAMS[i % len(BAD_PARAMS)][0])
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=pb.SamplingParams(**params),
+                                     request_id=f"load-{seed}-{i}")
+        requests.append((kind, request, cancel_after))
+    return requests
+
+
+async def _one(stub, kind: str, request: pb.GenerateRequest, cancel_after: int, metadata) -> Result:
+    max_tokens = request.params.max_tokens
+    expected = {"complete": f"{max_tokens} tokens", "cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED",
+                "bad": "INVALID_ARGUMENT"}[kind]
+    timeout = 0.001 if kind == "deadline" else 300
+    call = stub.GenerateStream(request, timeout=timeout, metadata=metadata)
+    sent, first, count, usage = time.perf_counter(), None, 0, None
+    try:
+        async for reply in call:
+            if reply.token_ids and first is None:
+                first = time.perf_counter()
+            count += len(reply.token_ids)
+            if reply.finish_reason:
+                usage = reply.usage.completion_tokens
+            if kind == "cancel" and count >= cancel_after:
+                call.cancel()
+                break
+    except grpc.aio.AioRpcError as e:
+        status, detail = e.code().name, e.details() or ""
+    else:
+        status, detail = ("CANCELLED" if kind == "cancel" and usage is None else "OK"), ""
+    end = time.perf_counter()
+    if kind == "complete":
+        ok = status == "OK" and count == max_tokens and usage == max_tokens
+    elif kind == "bad":
+        fragment = BAD_PARAMS[int(request.request_id.rsplit("-", 1)[1]) % len(BAD_PARAMS)][1]
+        ok = status == "INVALID_ARGUMENT" and fragment in detail
+    else:
+        ok = status == expected
+    result = Result(kind, expected, ok, status, count, detail=detail[:200])
+    if kind == "complete" and first is not None:
+        result.ttft_s, result.tpot_s = first - sent, (end - first) / max(1, count - 1)
+    return result
+
+
+async def run_round(target: str, spec: LoadSpec, seed: int, metadata=(), extra=None) -> Round:
+    """One round of the load from spec.num_clients concurrent clients. extra: a coroutine run
+    alongside (the determinism prompts), awaited before returning."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        queue = make_requests(spec, seed)
+        queue.reverse()
+        results: list[Result] = []
+
+        async def client() -> None:
+            while queue:
+                kind, request, cancel_after = queue.pop()
+                results.append(await _one(stub, kind, request, cancel_after, list(metadata)))
+
+        start = time.perf_counter()
+        await asyncio.gather(*[client() for _ in range(spec.num_clients)], *([extra] if extra else []))
+        return Round(results, time.perf_counter() - start)
+
+
+async def greedy_outputs(target: str, prompts: list[list[int]], max_tokens: int, metadata=(),
+                         delay_s: float = 0.0) -> list[list[int]]:
+    """Greedy token ids of each prompt, sent together after delay_s (amid a load, when one runs)."""
+    await asyncio.sleep(delay_s)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+        async def one(prompt: list[int]) -> list[int]:
+            request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=params)
+            return list((await stub.Generate(request, timeout=300, metadata=list(metadata))).token_ids)
+
+        return list(await asyncio.gather(*[one(p) for p in prompts]))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def latency_row(name: str, rounds: list[Round]) -> dict:
+    done = [r for rnd in rounds for r in rnd.results if r.ttft_s is not None]
+    ttft, tpot = [r.ttft_s * 1e3 for r in done], [r.tpot_s * 1e3 for r in done if r.num_tokens > 1]
+    tokens = sum(r.num_tokens for rnd in rounds for r in rnd.results)
+    return {"name": name, "num_completed": len(done), "tokens_per_s": tokens / sum(r.wall_s for r in rounds),
+            "ttft_ms_p50": percentile(ttft, 0.5), "ttft_ms_p99": percentile(ttft, 0.99),
+            "tpot_ms_p50": percentile(tpot, 0.5), "tpot_ms_p99": percentile(tpot, 0.99)}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| deployment | completed | tokens/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['num_completed']} | {r['tokens_per_s']:.0f} | {r['ttft_ms_p50']:.1f} / "
+                     f"{r['ttft_ms_p99']:.1f} | {r['tpot_ms_p50']:.2f} / {r['tpot_ms_p99']:.2f} |")
+    return "\n".join(lines)
+
+
+# ---- the local deployment -----------------------------------------------------------------------
+
+
+def alive_actors() -> int:
+    import ray
+
+    return sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
+
+
+def live_placement_groups() -> int:
+    import ray
+
+    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
+
+
+def wait_idle(handle, timeout_s: float = 30.0) -> dict:
+    """The replica's stats once nothing is in flight; raises if KV blocks stay taken (a leak)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = asdict(handle.stats.remote().result())
+        idle = stats["num_in_flight"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]:
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the replica did not return to idle with every KV block free: {stats}")
+        time.sleep(0.1)
+
+
+def replica_rss(handle) -> int:
+    """Bytes resident in the replica process and its coordinator and workers."""
+    import psutil
+
+    procs = handle.processes.remote().result()
+    pids = [procs.pid, *([procs.coordinator_pid] if procs.coordinator_pid else []), *procs.worker_pids]
+    return sum(psutil.Process(pid).memory_info().rss for pid in pids)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deploy(name: str, model: str, engine_args: dict, stream_interval: int):
+    from ray import serve
+
+    from warpspec.serving.deployment import WarpspecServer
+
+    app = WarpspecServer.options(name=f"{name}-server", ray_actor_options={"num_cpus": 1},
+                                 max_ongoing_requests=1024)
+    return serve.run(app.bind(model, engine_args, None, True, stream_interval), name=name, route_prefix=f"/{name}")
+
+
+def run_deployment(name: str, target: str, model: str, engine_args: dict, args: argparse.Namespace,
+                   prompts: list[list[int]], num_rounds: int) -> dict:
+    """Deploy, run the rounds (the determinism prompts amid the last), check, delete; the report part."""
+    from ray import serve
+
+    actors_before, groups_before = alive_actors(), live_placement_groups()
+    handle = deploy(name, model, engine_args, args.stream_interval)
+    metadata = [("application", name)]
+    actors_deployed, groups_deployed = alive_actors(), live_placement_groups()
+    spec = LoadSpec(args.clients, args.requests, args.max_new_tokens,
+                    json.loads(Path(model, "config.json").read_text())["vocab_size"], args.seed)
+    alone = asyncio.run(greedy_outputs(target, prompts, args.determinism_tokens, metadata))
+    rounds, rss, amid = [], [], None
+    for index in range(num_rounds):
+        extra = None
+        if index == num_rounds - 1:
+            async def amid_load() -> list[list[int]]:
+                return await greedy_outputs(target, prompts, args.determinism_tokens, metadata, delay_s=1.0)
+
+            extra = amid_load()
+        rnd = asyncio.run(_round_with_extra(target, spec, args.seed, metadata, extra))
+        if extra is not None:
+            rnd, amid = rnd
+        rnd.stats_after = wait_idle(handle)
+        rounds.append(rnd)
+        rss.append(replica_rss(handle))
+        print(f"{name} round {index + 1}: {len(rnd.results)} requests in {rnd.wall_s:.1f} s, "
+              f"{len(rnd.failures)} unexpected, KV {rnd.stats_after['num_free_kv_blocks']}/"
+              f"{rnd.stats_after['num_kv_blocks']} free, RSS {rss[-1] / 2**20:.0f} MiB", flush=True)
+    orphans = (alive_actors() - actors_deployed, live_placement_groups() - groups_deployed)
+    serve.delete(name)
+    released = _wait_until(lambda: (alive_actors(), live_placement_groups()) == (actors_before, groups_before), 30)
+    growth = rss[-1] / rss[-2] - 1 if len(rss) >= 2 else 0.0
+    kinds = {k: sum(1 for rnd in rounds for r in rnd.results if r.kind == k) for k in MIX}
+    return {"name": name, "model": model, "engine_args": engine_args, "rounds": len(rounds),
+            "requests_by_kind": kinds, "unexpected": [asdict(r) for rnd in rounds for r in rnd.failures][:20],
+            "num_unexpected": sum(len(rnd.failures) for rnd in rounds),
+            "kv_free_after_each_round": [(r.stats_after["num_free_kv_blocks"], r.stats_after["num_kv_blocks"])
+                                         for r in rounds],
+            "healthy_after_each_round": [r.stats_after["is_healthy"] for r in rounds],
+            "orphan_actors": orphans[0], "orphan_placement_groups": orphans[1],
+            "released_after_delete": released, "rss_mib": [x / 2**20 for x in rss], "rss_growth_last_round": growth,
+            "deterministic": alone == amid, "latency": latency_row(name, rounds),
+            "round_wall_s": [r.wall_s for r in rounds]}
+
+
+async def _round_with_extra(target, spec, seed, metadata, extra):
+    if extra is None:
+        return await run_round(target, spec, seed, metadata)
+    task = asyncio.ensure_future(extra)
+    rnd = await run_round(target, spec, seed, metadata)
+    return rnd, await task
+
+
+def _wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def verdict(part: dict) -> list[str]:
+    """What failed in one deployment's part of the report (empty: everything held)."""
+    problems = []
+    if part["num_unexpected"]:
+        problems.append(f"{part['num_unexpected']} requests did not get their tokens or expected status")
+    if any(free != total for free, total in part["kv_free_after_each_round"]):
+        problems.append(f"KV blocks leaked: {part['kv_free_after_each_round']}")
+    if part["orphan_actors"] or part["orphan_placement_groups"] or not part["released_after_delete"]:
+        problems.append("orphan actors or placement groups")
+    if part["rss_growth_last_round"] >= MAX_RSS_GROWTH:
+        problems.append(f"RSS grew {100 * part['rss_growth_last_round']:.1f}% in the last round")
+    if not part["deterministic"]:
+        problems.append("greedy outputs differ alone vs amid the load")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+
+    parser = argparse.ArgumentParser(prog="warpspec bench load", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(BUNDLED_TARGET), help="target checkpoint (default: the bundled one)")
+    parser.add_argument("--draft", default=str(BUNDLED_DRAFT), help="EAGLE-3 draft for the speculative deployment")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    parser.add_argument("--requests", type=int, default=500, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds on the plain deployment (RSS: last two)")
+    parser.add_argument("--spec-rounds", type=int, default=1, help="rounds on the speculative deployment (0: skip)")
+    parser.add_argument("--workers", type=int, default=2, help="worker actors per replica (plus a coordinator)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--num-kv-blocks", type=int, default=2048, help="per replica (16 tokens each)")
+    parser.add_argument("--determinism-tokens", type=int, default=24)
+    parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default="runs")
+    args = parser.parse_args(argv)
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-load-"), log_to_driver=False)
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from warpspec.serving.serve_config import GRPC_SERVICER_FUNCTIONS
+
+    port = _free_port()
+    start = time.perf_counter()
+    engine_args = {"dtype": "float32", "num_workers": args.workers, "executor": "ray", "max_model_len": 512,
+                   "num_kv_blocks": args.num_kv_blocks,
+                   "max_waiting_requests": 4096}
+    prompts = held_out_prompts()[:6]
+    parts = []
+    try:
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
+                    grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
+        target = f"127.0.0.1:{port}"
+        parts.append(run_deployment("load-plain", target, args.model, engine_args, args, prompts, args.rounds))
+        if args.spec_rounds:
+            spec_args = {**engine_args, "draft": args.draft}
+            parts.append(run_deployment("load-eagle3", target, args.model, spec_args, args, prompts,
+                                        args.spec_rounds))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    wall = time.perf_counter() - start
+
+    problems = {p["name"]: verdict(p) for p in parts}
+    report = {"clients": args.clients, "requests_per_round": args.requests, "mix": MIX, "wall_s": wall,
+              "parts": parts, "problems": problems}
+    out_dir = Path(args.run_dir, "bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "load.json").write_text(json.dumps(report, indent=2))
+    lines = [f"Load over gRPC: {args.clients} streaming clients, {args.requests} requests per round "
+             f"({', '.join(f'{100 * v:.0f}% {k}' for k, v in MIX.items())}), {args.workers} workers per replica, "
+             f"{wall:.0f} s in all", "", markdown_table([p["latency"] for p in parts]), ""]
+    for p in parts:
+        lines.append(f"- {p['name']}: {p['rounds']} rounds, {p['num_unexpected']} unexpected outcomes, KV free after "
+                     f"each round {p['kv_free_after_each_round']}, orphan actors {p['orphan_actors']}, "
+                     f"RSS {', '.join(f'{m:.0f}' for m in p['rss_mib'])} MiB (last round "
+                     f"{100 * p['rss_growth_last_round']:+.1f}%), greedy identical alone vs amid load: "
+                     f"{p['deterministic']}")
+    failed = [f"{name}: {'; '.join(ps)}" for name, ps in problems.items() if ps]
+    lines.append("\nall checks passed" if not failed else "\nFAILED: " + " | ".join(failed))
+    text = "\n".join(lines) + "\n"
+    (out_dir / "load.md").write_text(text)
+    print(text)
+    return 1 if failed else 0
