@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -43,14 +44,15 @@ def make_request(prompt: str | list[int], request_id: str = "", **params: Any) -
 
 class GenerationClient:
     def __init__(self, target: str = "localhost:9000", timeout: float | None = None,
-                 metadata: list[tuple[str, str]] | None = None):
+                 metadata: list[tuple[str, str]] | None = None, api_key: str | None = None):
         """timeout: seconds per call (the gRPC deadline), None for none. metadata: sent with every call;
-        with several Serve applications, include ("application", name)."""
+        with several Serve applications, include ("application", name). api_key: for a server started
+        with one (sent as `authorization: Bearer <key>`)."""
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.timeout = timeout
-        self.metadata = metadata or []
+        self.metadata = list(metadata or []) + ([("authorization", f"Bearer {api_key}")] if api_key else [])
 
     def generate(self, prompt: str | list[int], request_id: str = "", **params: Any) -> pb.GenerateResponse:
         return self.stub.Generate(make_request(prompt, request_id, **params), timeout=self.timeout,
@@ -91,6 +93,8 @@ def add_client_parser(commands: argparse._SubParsersAction) -> None:
     client.add_argument("action", choices=["generate", "stream", "tokenize", "info", "health"])
     client.add_argument("--target", default="localhost:9000", help="host:port of the gRPC proxy")
     client.add_argument("--timeout", type=float, help="deadline in seconds")
+    client.add_argument("--api-key", default=os.environ.get("WARPSPEC_API_KEY"),
+                        help="the server's API key (default: $WARPSPEC_API_KEY)")
     client.add_argument("--prompt", help="prompt text (generate, stream, tokenize)")
     client.add_argument("--prompt-token-ids", help="prompt as comma-separated token ids")
     client.add_argument("--max-tokens", type=int)
@@ -108,7 +112,7 @@ def run_client_command(ns: argparse.Namespace) -> None:
     def show(message) -> None:
         print(json.dumps(MessageToDict(message, preserving_proto_field_name=True)), flush=True)
 
-    with GenerationClient(ns.target, timeout=ns.timeout) as client:
+    with GenerationClient(ns.target, timeout=ns.timeout, api_key=ns.api_key) as client:
         try:
             if ns.action == "health":
                 print(client.health())

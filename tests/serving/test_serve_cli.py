@@ -1,5 +1,6 @@
 """`warpspec serve` as a user runs it: a process that starts a local Ray cluster, serves until SIGTERM,
-then shuts Serve and Ray down and exits 0."""
+then shuts Serve and Ray down and exits 0. Run with its safe defaults (no --host: HTTP on 127.0.0.1
+only; no dashboard) and an API key from the environment."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import sys
 import tempfile
 import time
 
+import grpc
+import psutil
 import pytest
+import requests
 
 from warpspec.client import GenerationClient
 
@@ -27,11 +31,14 @@ def _free_port() -> int:
 def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
     grpc_port, http_port = _free_port(), _free_port()
     run_dir = tempfile.mkdtemp(prefix="ws-cli-")  # short: Ray's socket paths live under it
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    key = "sk-cli-test"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "WARPSPEC_API_KEY": key}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", None)
     process = subprocess.Popen([sys.executable, "-m", "warpspec.cli", "serve", "--model", str(serving_checkpoint),
                                 "--model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
-                                "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--host", "127.0.0.1",
+                                "--grpc-port", str(grpc_port), "--http-port", str(http_port),
+                                "--max-request-bytes", str(1024 * 1024),
                                 "--arg", f"run_dir={run_dir}", "--arg", "num_kv_blocks=32"],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -41,9 +48,26 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
             line = process.stdout.readline()
             assert line or process.poll() is None, "warpspec serve exited early"
             assert time.monotonic() < deadline, "warpspec serve did not start within 120 s"
-        with GenerationClient(f"127.0.0.1:{grpc_port}", timeout=30) as client:
+        with GenerationClient(f"127.0.0.1:{grpc_port}", timeout=30, api_key=key) as client:
             assert client.health() == "SERVING"
             assert client.generate("def main():", max_tokens=3, temperature=0.0).usage.completion_tokens == 3
+            # Serve's gRPC proxy itself refuses a message over --max-request-bytes (the local cluster's
+            # processes inherit RAY_SERVE_GRPC_MAX_MESSAGE_SIZE), before it is copied to a replica.
+            with pytest.raises(grpc.RpcError) as error:
+                client.generate("x" * (2 * 1024 * 1024), max_tokens=1)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with GenerationClient(f"127.0.0.1:{grpc_port}", timeout=30) as keyless:
+            assert keyless.health() == "SERVING"  # health stays open
+            with pytest.raises(grpc.RpcError) as error:
+                keyless.generate("def main():", max_tokens=3)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert requests.get(f"http://127.0.0.1:{http_port}/v1/models", timeout=30).status_code == 401
+        # Without --host, HTTP listens on the loopback address only.
+        listeners = {c.laddr.ip for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == http_port}
+        assert listeners == {"127.0.0.1"}
+        # And the local cluster runs no dashboard.
+        assert not any(c.status == psutil.CONN_LISTEN and c.laddr.port == 8265 for c in psutil.net_connections("tcp"))
     finally:
         process.send_signal(signal.SIGTERM)
         try:
