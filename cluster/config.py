@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.quantization import check_quantization
 
 
 @dataclass
@@ -88,6 +89,9 @@ class EngineConfig:
     # None: the checkpoint's max_position_embeddings. Prompt + output never exceed it.
     max_model_len: int | None = None
     device: str = "cpu"
+    # None: the checkpoint's precision (FP8 for an fbgemm_fp8 checkpoint); "fp8": quantize a bf16/fp32
+    # checkpoint's linear and expert weights to FP8 as they load (workers/quantization.py).
+    quantization: str | None = None
     seed: int = 0  # seeds requests that bring no seed of their own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -110,6 +114,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        check_quantization(self.quantization)
 
 
 def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
@@ -118,11 +123,12 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
                   executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
                   draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
-                  compile_draft: bool = True, run_dir: str = "runs", enforce_eager: bool = False) -> EngineConfig:
+                  compile_draft: bool = True, run_dir: str = "runs", enforce_eager: bool = False,
+                  quantization: str | None = None) -> EngineConfig:
     """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
     return EngineConfig(
         model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
-        enforce_eager=enforce_eager,
+        enforce_eager=enforce_eager, quantization=quantization,
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   enable_prefix_caching=enable_prefix_caching,

@@ -93,7 +93,7 @@ class Coordinator:
         threads = 0 if self.is_gpu else max(1, min(os.cpu_count() or 1, cpus) // self.parallel.num_workers)
         configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
                                 self._comm_init(rank, address, port, nccl_id), self.config.device, threads,
-                                self.config.cuda_graph_config())
+                                self.config.cuda_graph_config(), self.config.quantization)
                    for rank in range(self.parallel.num_workers)]
         # Every rank must enter the group together: start them all, then wait.
         return unwrap_ray_errors(lambda: ray.get([w.start.remote(c) for w, c in zip(self.workers, configs,

@@ -21,7 +21,7 @@ from warpspec.workers.step import StepInput
 class LocalExecutor:
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device,
-                                  cuda_graphs=config.cuda_graph_config())
+                                  cuda_graphs=config.cuda_graph_config(), quantization=config.quantization)
         self.model_config = self.runner.config
         self.num_blocks = self.runner.num_blocks
 

@@ -28,6 +28,7 @@ class WorkerConfig:
     device: str = "cpu"
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     cuda_graphs: CudaGraphConfig | None = None  # used on CUDA devices only
+    quantization: str | None = None  # None or "fp8" (see workers/quantization.py)
 
 
 @dataclass
@@ -46,7 +47,7 @@ class ShardWorker:
         self.config = config
         self.comm = make_communicator(config.comm)
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
-                                  cuda_graphs=config.cuda_graphs)
+                                  cuda_graphs=config.cuda_graphs, quantization=config.quantization)
 
     def info(self) -> WorkerInfo:
         report = self.runner.model.load_report
