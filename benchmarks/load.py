@@ -213,13 +213,14 @@ def wait_idle(handle, timeout_s: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
-def replica_rss(handle) -> int:
-    """Bytes resident in the replica process and its coordinator and workers."""
+def replica_rss(handle) -> dict[str, int]:
+    """Bytes resident in the replica process, its coordinator and each worker."""
     import psutil
 
     procs = handle.processes.remote().result()
-    pids = [procs.pid, *([procs.coordinator_pid] if procs.coordinator_pid else []), *procs.worker_pids]
-    return sum(psutil.Process(pid).memory_info().rss for pid in pids)
+    pids = {"replica": procs.pid, **({"coordinator": procs.coordinator_pid} if procs.coordinator_pid else {}),
+            **{f"worker{rank}": pid for rank, pid in enumerate(procs.worker_pids)}}
+    return {name: psutil.Process(pid).memory_info().rss for name, pid in pids.items()}
 
 
 def _free_port() -> int:
@@ -253,7 +254,7 @@ def run_deployment(name: str, target: str, model: str, engine_args: dict, args: 
     rounds, rss, amid = [], [], None
     for index in range(num_rounds):
         extra = None
-        if index == num_rounds - 1:
+        if index == 0:  # rounds after the first stay identical, for the memory comparison
             async def amid_load() -> list[list[int]]:
                 return await greedy_outputs(target, prompts, args.determinism_tokens, metadata, delay_s=1.0)
 
@@ -266,11 +267,13 @@ def run_deployment(name: str, target: str, model: str, engine_args: dict, args: 
         rss.append(replica_rss(handle))
         print(f"{name} round {index + 1}: {len(rnd.results)} requests in {rnd.wall_s:.1f} s, "
               f"{len(rnd.failures)} unexpected, KV {rnd.stats_after['num_free_kv_blocks']}/"
-              f"{rnd.stats_after['num_kv_blocks']} free, RSS {rss[-1] / 2**20:.0f} MiB", flush=True)
+              f"{rnd.stats_after['num_kv_blocks']} free, RSS MiB "
+              f"{ {k: round(v / 2**20) for k, v in rss[-1].items()} }", flush=True)
     orphans = (alive_actors() - actors_deployed, live_placement_groups() - groups_deployed)
     serve.delete(name)
     released = _wait_until(lambda: (alive_actors(), live_placement_groups()) == (actors_before, groups_before), 30)
-    growth = rss[-1] / rss[-2] - 1 if len(rss) >= 2 else 0.0
+    totals = [sum(r.values()) for r in rss]
+    growth = totals[-1] / totals[-2] - 1 if len(totals) >= 2 else 0.0
     kinds = {k: sum(1 for rnd in rounds for r in rnd.results if r.kind == k) for k in MIX}
     return {"name": name, "model": model, "engine_args": engine_args, "rounds": len(rounds),
             "requests_by_kind": kinds, "unexpected": [asdict(r) for rnd in rounds for r in rnd.failures][:20],
@@ -279,7 +282,8 @@ def run_deployment(name: str, target: str, model: str, engine_args: dict, args: 
                                          for r in rounds],
             "healthy_after_each_round": [r.stats_after["is_healthy"] for r in rounds],
             "orphan_actors": orphans[0], "orphan_placement_groups": orphans[1],
-            "released_after_delete": released, "rss_mib": [x / 2**20 for x in rss], "rss_growth_last_round": growth,
+            "released_after_delete": released, "rss_mib": [x / 2**20 for x in totals],
+            "rss_mib_by_process": [{k: v / 2**20 for k, v in r.items()} for r in rss], "rss_growth_last_round": growth,
             "deterministic": alone == amid, "latency": latency_row(name, rounds),
             "round_wall_s": [r.wall_s for r in rounds]}
 
