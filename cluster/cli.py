@@ -25,7 +25,7 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
     with LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-             num_speculative_tokens=args.num_speculative_tokens) as llm:
+             num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization) as llm:
         out = llm.generate([prompt], params)[0]
     if args.json:
         print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "text": out.text,
@@ -76,7 +76,9 @@ def _draft_data(args: argparse.Namespace) -> None:
         print(f"wrote held-out prompts to {args.held_out_prompts}")
 
 
-BENCHMARKS = {name: f"warpspec.benchmarks.{name}" for name in ("compare", "dispatch", "throughput", "spec", "serve")}
+BENCHMARKS = {name: f"warpspec.benchmarks.{name}"
+              for name in ("compare", "dispatch", "throughput", "spec", "serve", "gpu_check", "load")}
+BENCHMARKS["fp8"] = "warpspec.benchmarks.fp8_quality"
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     gen.add_argument("--max-model-len", type=int)
+    gen.add_argument("--quantization", choices=["fp8"], help="fp8: quantize linear and expert weights at load "
+                     "(an fbgemm_fp8 checkpoint loads as FP8 without it)")
     gen.add_argument("--draft", help="EAGLE-3 draft checkpoint folder: speculative decoding")
     gen.add_argument("--num-speculative-tokens", type=int, default=3)
     gen.add_argument("--json", action="store_true", help="print one JSON object with token ids and text")
@@ -155,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--held-out-prompts", help="also write 16 prompts from validation documents to this JSON file")
     data.set_defaults(func=_draft_data)
 
-    bench = commands.add_parser("bench", help="run a benchmark (compare, dispatch, throughput, spec, serve); "
-                                              "`warpspec bench NAME --help`")
+    bench = commands.add_parser("bench", help="run a benchmark (compare, dispatch, throughput, spec, serve, fp8, "
+                                              "gpu_check); `warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)
