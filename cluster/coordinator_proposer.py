@@ -18,6 +18,7 @@ still gets the same text whatever else is in its batch.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from warpspec.workers import wire
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def encode_requests(requests: list[DraftRequest], release: list[str]) -> bytes:
@@ -67,7 +70,19 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
     if spec.compile_draft:
         # Compiled kernels are cached here, so a restart does not pay the compile again.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.run_dir, "inductor").resolve()))
-    return Eagle3Proposer(draft, num_blocks, config.cache.block_size, compile=spec.compile_draft)
+    return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
+                          compile=spec.compile_draft)
+
+
+def draft_device(target_device: str) -> torch.device:
+    """The draft runs on the target's device when this process can see it: in the engine's process
+    beside a one-rank target, or in a coordinator that Ray gave a GPU. A coordinator without one
+    runs the draft on its CPU (correct, and slow for a large draft), and says so."""
+    device = torch.device(target_device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        logger.warning("the EAGLE-3 draft runs on the CPU: this process sees no GPU (target on %s)", target_device)
+        return torch.device("cpu")
+    return device
 
 
 class DraftServer:

@@ -45,7 +45,8 @@ class Eagle3Proposer:
     def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
                  compile: bool = True):
         c = draft.config
-        self.draft = draft
+        self.device = torch.device(device)
+        self.draft = draft.move_to(self.device)
         self.block_size = block_size
         self.aux_layer_ids = c.aux_layer_ids
         self.generators: dict[str, torch.Generator] = {}  # when requests bring no generator of their own
@@ -58,7 +59,7 @@ class Eagle3Proposer:
             draft.after_attention = CompiledWithFallback(draft.after_attention, "the EAGLE-3 draft")
 
     def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        step = StepInput.build(plan, self.block_size)
+        step = StepInput.build(plan, self.block_size).to(self.device)
         meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
                                       step.max_query_len, step.max_seq_len)
         logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
@@ -69,14 +70,17 @@ class Eagle3Proposer:
         distributions they were drawn from (None when every request is greedy)."""
         if all(r.temperature == 0 for r in requests):
             return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), None
+        # Sampling happens on the CPU with per-request CPU generators (seeded requests reproduce on
+        # any device); the distributions are a few thousand floats per request.
+        logits = logits.float().cpu()
         temperature = torch.tensor([r.temperature or 1.0 for r in requests])
-        draft_probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+        draft_probs = (logits / temperature[:, None]).softmax(dim=-1)
         choice = sample_from(draft_probs, [self._generator(r) for r in requests])
         greedy = torch.tensor([r.temperature == 0 for r in requests])
         choice = torch.where(greedy, logits.argmax(dim=-1), choice)
         target_vocab = self.draft.embed_tokens.shape[0]
         probs = torch.zeros(len(requests), target_vocab)
-        probs.index_copy_(1, self.draft.to_target_ids(torch.arange(logits.shape[-1])), draft_probs)
+        probs.index_copy_(1, self.draft.to_target_ids(torch.arange(logits.shape[-1])).cpu(), draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
     def _generator(self, request: DraftRequest) -> torch.Generator:
@@ -99,11 +103,11 @@ class Eagle3Proposer:
         """aux_hidden: the step's captured hidden states (each [num_tokens, hidden])."""
         if not requests:
             return []
-        features = torch.cat(aux_hidden, dim=-1).to(self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
+        features = torch.cat(aux_hidden, dim=-1).to(self.device, self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
         plan = [SequenceStep(r.token_ids, r.first_position, r.block_table,
                              logits_from=r.num_positions - 1 if r.num_drafts else r.num_positions) for r in requests]
         rows = torch.cat([torch.arange(r.feature_start, r.feature_start + r.num_positions) for r in requests])
-        logits, prenorm = self._run(plan, features[rows])
+        logits, prenorm = self._run(plan, features[rows.to(self.device)])
         drafts = [Drafts([]) for _ in requests]
         active = [i for i, r in enumerate(requests) if r.num_drafts]
         probs_of: dict[int, list[torch.Tensor]] = {i: [] for i in active}

@@ -165,7 +165,16 @@ class Eagle3Draft(nn.Module):
         return F.linear(self._rms(prenorm, self.norm), self.lm_head).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        draft_ids = draft_ids.to(self.d2t.device)
         return draft_ids + self.d2t[draft_ids]
+
+    def move_to(self, device: torch.device) -> Eagle3Draft:
+        """Parameters and buffers, and the target's embeddings and the RoPE frequencies it holds as
+        plain tensors, onto device."""
+        self.to(device)
+        self.embed_tokens = self.embed_tokens.to(device)
+        self.inv_freq = self.inv_freq.to(device)
+        return self
 
 
 # Checkpoint tensor -> attribute. `embed_tokens.weight`, when a checkpoint carries one, must equal the
