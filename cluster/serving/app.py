@@ -51,7 +51,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         warmup (true): run one short request before the replica takes traffic.
         stream_interval (1): streamed messages carry at least this many new tokens; each message costs
             a few ms on the serving path, so a fast model on few CPUs streams cheaper in bunches.
-        health_check_period_s (10).
+        health_check_period_s (10). drain_timeout_s (30): on scale-down or redeploy, a stopping
+            replica's requests may run this long; then Serve stops it and the proxy fails the rest.
 
     Security and limits:
         api_key: clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata
@@ -64,9 +65,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         autoscaling_config=config.autoscaling_config,
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=config.health_check_period_s,
-        # Loading weights (and compiling a draft) takes a while on a big model.
-        graceful_shutdown_timeout_s=30,
+        graceful_shutdown_timeout_s=config.drain_timeout_s,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
     )
     return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval,
-                           limits=config.limits, auth=config.auth)
+                           drain_timeout_s=config.drain_timeout_s, limits=config.limits, auth=config.auth)

@@ -55,6 +55,9 @@ class ServeConfig:
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
     stream_interval: int = 1  # new tokens per streamed message at least (1: every step's tokens at once)
     health_check_period_s: float = 10.0
+    # Scale-down / redeploy: how long a stopping replica's requests may run on; then Serve stops it
+    # (the proxy fails what is left) and its actors and placement group are released.
+    drain_timeout_s: float = 30.0
     # Clients must send this key (HTTP `Authorization: Bearer`, gRPC `authorization` metadata); None:
     # api_key_file, else the WARPSPEC_API_KEY environment variable, else no key is required.
     api_key: str | None = field(default=None, repr=False)
@@ -72,6 +75,8 @@ class ServeConfig:
         if self.target_ongoing_requests <= 0 or self.max_ongoing_requests < 1:
             raise ValueError(f"target_ongoing_requests must be > 0 and max_ongoing_requests >= 1, got "
                              f"{self.target_ongoing_requests} and {self.max_ongoing_requests}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
         self.limits = RequestLimits(self.max_request_bytes, self.max_prompt_bytes)
         key = resolve_api_key(self.api_key, self.api_key_file)
         # Only the key's digest leaves this process (the deployment's args are stored by Serve).

@@ -56,3 +56,30 @@ def test_killed_worker_fails_generation_within_seconds(ray_cluster, tmp_path):
         time.sleep(0.1)
     assert not _is_alive(pids[0])
     _wait_for_all_cpus(ray_cluster)
+
+
+def test_killed_coordinator_fails_generation_and_shutdown_releases_its_placement_group(ray_cluster, tmp_path):
+    """Ray keeps a placement group until the job or detached actor that made it ends: the workers'
+    group is made beside the coordinator's handle, so a dead coordinator's group can still be removed."""
+    import ray
+
+    def live_groups() -> int:
+        return sum(1 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
+
+    path = make_text_checkpoint(tmp_path / "ckpt", max_position_embeddings=4096)
+    groups_before = live_groups()
+    llm = LLM(str(path), dtype="float32", num_workers=2)
+    assert live_groups() == groups_before + 1
+    worker_pids, coordinator_pid = llm.engine.executor.worker_pids(), llm.engine.executor.coordinator_pid()
+    os.kill(coordinator_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="coordinator died"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    assert time.monotonic() - killed_at < 10
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while (live_groups() > groups_before or any(map(_is_alive, worker_pids))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_groups() == groups_before
+    assert not any(map(_is_alive, worker_pids))
+    _wait_for_all_cpus(ray_cluster)
