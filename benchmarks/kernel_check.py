@@ -15,7 +15,7 @@ import torch
 
 from warpspec.benchmarks.timing import median_ms
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference
-from warpspec.kernels.fp8 import quantize_fp8_reference
+from warpspec.kernels.fp8 import fp8_linear, fp8_linear_reference, quantize_fp8_reference
 from warpspec.kernels.moe import moe_experts_reference, route_topk_sigmoid_reference
 from warpspec.kernels.norm import add_rms_norm_reference
 from warpspec.kernels.rope import rope_qk_norm_reference
@@ -124,6 +124,14 @@ def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[Ke
                                          (router_logits, 1), 0.01, 0),
         "quantize_fp8 rows [8 x hidden]": (quantize_fp8_triton, quantize_fp8_reference, (x.float(),), 0.0, 0),
     }
+    # The FP8 linear: torch._scaled_mm with per-token activation scales on FP8 GPUs (the dequantizing
+    # reference elsewhere), against dequantize-then-matmul. [8 x hidden] @ [2 * inter / 8 x hidden]^T.
+    dense_out = 2 * shapes.inter // 8
+    dense = torch.randn(dense_out, shapes.hidden, generator=gen, device=device) * shapes.hidden ** -0.5
+    dense_scale = dense.abs().amax(dim=1) / 448
+    dense_fp8 = (dense / dense_scale[:, None]).to(torch.float8_e4m3fn)
+    cases[f"fp8_linear [8 x hidden] -> {dense_out}"] = (fp8_linear, fp8_linear_reference, (x, dense_fp8, dense_scale),
+                                                        0.1, 0)
     for batch, query_len, label in ((1, 1, "decode b1"), (8, 1, "decode b8"), (8, 4, "verify b8 x 4")):
         args, kv_bytes = _attention_case(shapes, batch, query_len, dtype, device, gen)
         cases[f"paged_attention {label}, ctx {shapes.context}"] = (paged_attention_triton, paged_attention_reference,
