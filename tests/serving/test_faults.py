@@ -7,10 +7,13 @@ finishes what it can, cuts off the rest, and releases every actor and placement 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import psutil
@@ -70,7 +73,7 @@ def fault_app(serving_stack):
     baseline = (_alive_actors(), _live_placement_groups())
     handle = _deploy(FAULT_APP, serving_stack.model_path)
     with grpc.insecure_channel(serving_stack.grpc_target) as channel:
-        yield handle, channel
+        yield handle, channel, serving_stack.http_base
     serve.delete(FAULT_APP)
     # Deleting the app released the replica, its coordinator, its workers and their placement group.
     _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30, f"back to {baseline}")
@@ -112,7 +115,7 @@ class Stream(threading.Thread):
 
 @pytest.mark.parametrize("victim", ["worker", "coordinator"])
 def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_app, victim):
-    handle, channel = fault_app
+    handle, channel, http_base = fault_app
     stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
     expected = _greedy(stub, FAULT_APP)
     before = handle.processes.remote().result()
@@ -135,12 +138,22 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
         assert s.ended_at - killed_at < 10
         assert "died" in s.details and "Traceback" not in s.details
 
-    # Unhealthy while it rebuilds (the gRPC health service and Serve's own check agree), then healthy.
+    # Unhealthy while it rebuilds (the gRPC health service and Serve's own check agree), and new
+    # requests are refused at once (UNAVAILABLE, HTTP 503); then healthy.
     check = health_pb2.HealthCheckRequest()
     assert health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status == \
         health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(Exception, match="cannot serve"):
         handle.check_health.remote().result()
+    with pytest.raises(grpc.RpcError) as refused:
+        _greedy(stub, FAULT_APP)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "rebuilding" in refused.value.details()
+    body = json.dumps({"model": "tiny", "prompt": [5, 6], "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"{http_base}/{FAULT_APP}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as http_refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert http_refused.value.code == 503
     _wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
               health_pb2.HealthCheckResponse.SERVING, 90, "the replica to serve again")
 
