@@ -94,6 +94,8 @@ class AsyncLLM:
         answering (health checks, requests refused meanwhile)."""
         self.is_rebuilding = True
         try:
+            # Anything still in flight was on the failed engine (a request admitted as it failed).
+            self.fail_all(EngineError("the engine failed and is being rebuilt; retry shortly"))
             old, self.pending_adds = self.engine, []
             await asyncio.to_thread(old.shutdown)
             self.engine = await asyncio.to_thread(LLMEngine, self.config)

@@ -234,3 +234,43 @@ def test_drain_finishes_in_flight_work_then_cuts_off_the_rest_and_refuses_new(se
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_failed_step_rebuilds_the_engine_in_process(serving_checkpoint):
+    """The rebuild path without Ray: a step that fails fatally (as when a worker dies) fails every
+    request in flight, the replica is unhealthy until a fresh engine is built, then serves the same tokens."""
+    from warpspec.errors import EngineError, WorkerDiedError
+
+    async def main():
+        engine = ReplicaEngine(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=512,
+                                                     num_kv_blocks=64), "tiny")
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+        async def run(prompt):
+            try:
+                return [t async for out in engine.stream(prompt, params) for t in out.new_token_ids]
+            except Exception as e:  # noqa: BLE001 - the test inspects what came out
+                return e
+
+        expected = await run([5, 6, 7])
+        failed_engine = engine.llm.engine
+
+        def die(step):
+            raise WorkerDiedError("a worker of this replica died during a step: test")
+
+        failed_engine.executor.execute = die
+        results = await asyncio.gather(run([5, 6, 7]), run([8, 9]))
+        assert all(isinstance(r, WorkerDiedError) for r in results), results
+        with pytest.raises(EngineError, match="rebuilding"):
+            engine.check_health()
+        deadline = time.monotonic() + 60
+        while engine.failure is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        engine.check_health()
+        assert engine.llm.engine is not failed_engine and engine.num_rebuilds == 1
+        assert await run([5, 6, 7]) == expected
+        stats = engine.stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.is_healthy
+        await engine.shutdown()
+
+    asyncio.run(main())
