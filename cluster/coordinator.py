@@ -74,8 +74,7 @@ class Coordinator:
 
     def _create_worker(self, actor_class, rank: int):
         strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-        resources = {"num_gpus": 1, "num_cpus": 0} if self.is_gpu else {"num_cpus": 1}
-        return actor_class.options(scheduling_strategy=strategy, **resources).remote()
+        return actor_class.options(scheduling_strategy=strategy, **worker_resources(self.config, rank)).remote()
 
     def _comm_init(self, rank: int, address: str, port: int, nccl_id: bytes) -> CommInit:
         backend = self.parallel.comm_backend
@@ -167,6 +166,27 @@ class Coordinator:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+# On GPUs the coordinator runs the EAGLE-3 draft beside rank 0, whose hidden states it reads: both
+# live in bundle 0 and share its GPU, the draft taking this fraction of it in Ray's accounting.
+DRAFT_GPU_SHARE = 0.1
+
+
+def worker_resources(config: EngineConfig, rank: int) -> dict[str, float]:
+    if not config.device.startswith("cuda"):
+        return {"num_cpus": 1}
+    shares_gpu = rank == 0 and config.speculative.enabled
+    return {"num_gpus": 1 - DRAFT_GPU_SHARE if shares_gpu else 1, "num_cpus": 0}
+
+
+def coordinator_options(config: EngineConfig, group: PlacementGroup) -> dict:
+    """Ray options of the coordinator actor: no resources of its own, except on GPUs with a draft,
+    where it takes the rest of bundle 0's GPU (without one, Ray hides every GPU from the actor)."""
+    if not (config.device.startswith("cuda") and config.speculative.enabled):
+        return {"num_cpus": 0}
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+    return {"num_cpus": 0, "num_gpus": DRAFT_GPU_SHARE, "scheduling_strategy": strategy}
 
 
 def _bundle(config: EngineConfig) -> dict[str, float]:

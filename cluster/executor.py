@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import remove_placement_group
 
 from warpspec.config import EngineConfig
-from warpspec.coordinator import DispatchTiming, place_workers, unwrap_ray_errors
+from warpspec.coordinator import DispatchTiming, coordinator_options, place_workers, unwrap_ray_errors
 from warpspec.errors import WorkerDiedError
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
@@ -45,7 +45,7 @@ class RayExecutor:
         self.placement_group = place_workers(config)
         self.coordinator = None
         try:
-            self.coordinator = CoordinatorActor.remote()
+            self.coordinator = CoordinatorActor.options(**coordinator_options(config, self.placement_group)).remote()
             self.info = unwrap_ray_errors(lambda: ray.get(self.coordinator.start.remote(config, self.placement_group)))
         except BaseException:
             self._release()
