@@ -81,10 +81,13 @@ def render(report: dict) -> str:
     lines = [f"# GPU check: {report['device']}{' (tiny shapes)' if report['tiny'] else ''}", "",
              f"torch {report['torch']}, median of {report['repeats']} runs, wall {report['wall_s']:.0f} s; "
              f"copy bandwidth {report['copy_bandwidth_gbs']:.0f} GB/s (read + write)", "",
-             "| kernel | max abs error | tolerance | pass | triton ms | torch reference ms | speedup |",
+             "| kernel | relative error | tolerance | pass | triton ms | torch reference ms | speedup |",
              "|---|---|---|---|---|---|---|"]
     for k in report["kernels"]:
-        lines.append(f"| {k['name']} | {k['max_abs_error']:.3g} | {k['tolerance']:g} | {k['passed']} | "
+        if k["error"]:
+            lines.append(f"| {k['name']} | failed: {k['error']} | {k['tolerance']:g} | False | | | |")
+            continue
+        lines.append(f"| {k['name']} | {k['relative_error']:.3g} | {k['tolerance']:g} | {k['passed']} | "
                      f"{k['triton_ms']:.4f} | {k['reference_ms']:.4f} | {k['speedup']:.2f}x |")
     lines += ["", "| memory-bound kernel | bytes | ms | GB/s | fraction of copy bandwidth |", "|---|---|---|---|---|"]
     for b in report["bandwidth"]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from warpspec.kernels.dispatch import kernel_mode
+from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
@@ -37,8 +37,8 @@ class ModelRunner:
                  cache_config: CacheConfig | None = None, device: str | torch.device = "cpu",
                  comm: Communicator | None = None, cuda_graphs: CudaGraphConfig | None = None,
                  quantization: str | None = None):
-        """cuda_graphs: capture decode/verify steps on CUDA devices (ignored elsewhere, and when
-        WARPSPEC_KERNELS=reference: the references wait on the GPU, which a capture forbids)."""
+        """cuda_graphs: capture decode/verify steps on CUDA devices (ignored elsewhere, and when the
+        torch references run: WARPSPEC_KERNELS=reference or no Triton)."""
         self.device = torch.device(device)
         self.cache_config = cache_config or CacheConfig()
         self.model = load_model(model_dir, dtype, self.device, comm, quantization)
@@ -48,7 +48,9 @@ class ModelRunner:
         # heads), so every rank computes the same block count from the same per-rank budget.
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = self.cache_config.resolve_num_blocks(self.config, self.num_kv_heads, self.dtype)
-        use_graphs = cuda_graphs is not None and self.device.type == "cuda" and kernel_mode() != "reference"
+        # The references read values back to the host (a capture forbids it): graphs need Triton.
+        use_graphs = (cuda_graphs is not None and self.device.type == "cuda" and kernel_mode() != "reference"
+                      and triton_available())
         # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
         self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
                                            self.cache_config.block_size, self.dtype, self.device)

@@ -33,10 +33,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty_like(x2)
     new_residual = torch.empty_like(x2) if residual is not None else out
     residual2 = residual.reshape(-1, hidden).contiguous() if residual is not None else x2
+    block = triton.next_power_of_2(hidden)
     if x2.shape[0]:
+        # A whole 8192-wide row over 4 warps would be 64 values per thread: spread wide rows further.
         _add_rms_norm_kernel[(x2.shape[0],)](x2, residual2, weight, out, new_residual, hidden, eps,
-                                             HAS_RESIDUAL=residual is not None,
-                                             BLOCK=triton.next_power_of_2(hidden))
+                                             HAS_RESIDUAL=residual is not None, BLOCK=block,
+                                             num_warps=16 if block >= 8192 else 8 if block >= 2048 else 4)
     return out.view(x.shape), new_residual.view(x.shape)
 
 

@@ -107,6 +107,31 @@ def test_paged_attention(dtype, chunk_size, heads, kv_heads, step):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 9])
+@pytest.mark.parametrize("chunk_size", [None, 64])
+def test_paged_attention_split_context(num_splits, chunk_size):
+    """Flash-decoding: the visible positions split over programs, merged by a second kernel. 9 splits
+    leave some programs without a tile (a 0-token chunk start, 4 tiles of 32); chunk 64 makes the
+    visible range start mid-context."""
+    gen = torch.Generator().manual_seed(num_splits)
+    shapes = [(100, 1), (130, 4), (0, 3)]
+    query, key_cache, value_cache, meta = paged_batch(gen, shapes, 5, 1, 16, 16, torch.float32)
+    out = paged_attention_triton(query, key_cache, value_cache, meta, 0.25, chunk_size, num_splits=num_splits)
+    expected = paged_attention_reference(query, key_cache, value_cache, meta, 0.25, chunk_size)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_split_count_fills_the_gpu_only_when_few_programs_exist():
+    from warpspec.kernels.triton.attention import choose_num_splits
+
+    assert choose_num_splits(num_tokens=1, num_kv_heads=1, max_seq_len=4096) == 8  # 4096 / 512
+    assert choose_num_splits(num_tokens=1, num_kv_heads=1, max_seq_len=100_000) == 16  # the cap
+    assert choose_num_splits(num_tokens=8, num_kv_heads=1, max_seq_len=100_000) == 16  # 128 / 8
+    assert choose_num_splits(num_tokens=64, num_kv_heads=1, max_seq_len=100_000) == 2
+    assert choose_num_splits(num_tokens=256, num_kv_heads=1, max_seq_len=100_000) == 1  # enough programs
+    assert choose_num_splits(num_tokens=1, num_kv_heads=1, max_seq_len=300) == 1  # too short to split
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_route_topk_sigmoid(dtype, top_k):
