@@ -19,6 +19,7 @@ from warpspec.kernels.fp8 import (
     dequantize_fp8,
     fp8_linear,
     fp8_linear_reference,
+    quantize_fp8_columns,
     quantize_fp8_reference,
     uses_scaled_mm,
 )
@@ -102,10 +103,7 @@ def _moe_case(shapes: Shapes, num_tokens: int, fp8: bool, dtype, device, gen):
     down.mul_(shapes.inter ** -0.5)
     scales = (None, None)
     if fp8:
-        gate_up_scale = gate_up.float().abs().amax(dim=1) / 448
-        down_scale = down.float().abs().amax(dim=1) / 448
-        gate_up = (gate_up.float() / gate_up_scale[:, None, :]).to(torch.float8_e4m3fn)
-        down = (down.float() / down_scale[:, None, :]).to(torch.float8_e4m3fn)
+        (gate_up, gate_up_scale), (down, down_scale) = quantize_fp8_columns(gate_up), quantize_fp8_columns(down)
         scales = (gate_up_scale, down_scale)
     num_used = int(expert_ids.unique().numel())
     weight_bytes = num_used * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
@@ -144,9 +142,8 @@ def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[Ke
     # The FP8 linear: torch._scaled_mm with per-token activation scales on FP8 GPUs (the dequantizing
     # reference elsewhere), against dequantize-then-matmul. [8 x hidden] @ [2 * inter / 8 x hidden]^T.
     dense_out = 2 * shapes.inter // 8
-    dense = torch.randn(dense_out, shapes.hidden, generator=gen, device=device) * shapes.hidden ** -0.5
-    dense_scale = dense.abs().amax(dim=1) / 448
-    dense_fp8 = (dense / dense_scale[:, None]).to(torch.float8_e4m3fn)
+    dense_fp8, dense_scale = quantize_fp8_reference(
+        torch.randn(dense_out, shapes.hidden, generator=gen, device=device) * shapes.hidden ** -0.5)
     reference = _fp8_linear_with_fp8_activations if uses_scaled_mm(x, dense_fp8) else fp8_linear_reference
     cases[f"fp8_linear [8 x hidden] -> {dense_out}"] = (fp8_linear, reference, (x, dense_fp8, dense_scale), 0.02, 0)
     for batch, query_len, label in ((1, 1, "decode b1"), (8, 1, "decode b8"), (8, 4, "verify b8 x 4")):

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ import grpc
 
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+from warpspec.serving.serve_cli import free_local_port
 
 # Kinds of request in the mix, with their share.
 MIX = {"complete": 0.70, "cancel": 0.10, "deadline": 0.10, "bad": 0.10}
@@ -223,12 +223,6 @@ def replica_rss(handle) -> dict[str, int]:
     return {name: psutil.Process(pid).memory_info().rss for name, pid in pids.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def deploy(name: str, model: str, engine_args: dict, stream_interval: int):
     from ray import serve
 
@@ -350,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from warpspec.serving.serve_config import GRPC_SERVICER_FUNCTIONS
 
-    port = _free_port()
+    port = free_local_port()
     start = time.perf_counter()
     engine_args = {"dtype": "float32", "num_workers": args.workers, "executor": "ray", "max_model_len": 512,
                    "num_kv_blocks": args.num_kv_blocks,
@@ -358,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = held_out_prompts()[:6]
     parts = []
     try:
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()),
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=free_local_port()),
                     grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
         target = f"127.0.0.1:{port}"
         parts.append(run_deployment("load-plain", target, args.model, engine_args, args, prompts, args.rounds))

@@ -109,7 +109,7 @@ class EngineConfig:
             return None
         k = self.speculative.num_speculative_tokens
         return CudaGraphConfig(query_lens=(1, k + 1) if self.speculative.enabled else (1,),
-                               max_model_len=self.max_model_len or 8192)
+                               max_model_len=self.max_model_len or CudaGraphConfig.max_model_len)
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -11,6 +11,8 @@ builds them once per step and every layer reuses them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,6 @@ class PagedAttentionMetadata:
         included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]. num_tokens: the step's
         token count when the caller knows it (reading query_start_loc[-1] would wait for the GPU,
         which a CUDA graph capture forbids)."""
-        device = seq_lens.device
         self.query_start_loc = query_start_loc
         self.query_lens = query_start_loc[1:] - query_start_loc[:-1]
         self.num_tokens = int(query_start_loc[-1]) if num_tokens is None else num_tokens
@@ -34,14 +35,22 @@ class PagedAttentionMetadata:
         self.max_query_len = max_query_len
         self.max_seq_len = max_seq_len
         self.is_decode = max_query_len == 1  # one query per sequence: no padding needed
-        # What the Triton kernel needs: each token's sequence and position.
-        # query_lens [2, 1], seq_lens [7, 4] -> token_seq [0, 0, 1], token_pos [5, 6, 3].
-        self.token_seq = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), self.query_lens,
-                                                 output_size=self.num_tokens)
-        token_offset = torch.arange(self.num_tokens, device=device) - query_start_loc[:-1][self.token_seq]
-        self.token_pos = (seq_lens - self.query_lens)[self.token_seq] + token_offset
         self._padded: dict[str, torch.Tensor] | None = None
         self.masks: dict[int | None, torch.Tensor] = {}
+
+    # What the Triton kernel needs instead of the padded views, built on first use (the reference
+    # never needs them): each token's sequence and position.
+    # query_lens [2, 1], seq_lens [7, 4] -> token_seq [0, 0, 1], token_pos [5, 6, 3].
+    @functools.cached_property
+    def token_seq(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.seq_lens), device=self.seq_lens.device),
+                                       self.query_lens, output_size=self.num_tokens)
+
+    @functools.cached_property
+    def token_pos(self) -> torch.Tensor:
+        token_offset = (torch.arange(self.num_tokens, device=self.seq_lens.device)
+                        - self.query_start_loc[:-1][self.token_seq])
+        return (self.seq_lens - self.query_lens)[self.token_seq] + token_offset
 
     def padded(self) -> dict[str, torch.Tensor]:
         """The reference's padded views, built on first use (the Triton kernel never needs them)."""

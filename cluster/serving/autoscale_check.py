@@ -10,7 +10,6 @@ Which replica served a request is read from the `warpspec-replica` trailing meta
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -20,12 +19,6 @@ from pathlib import Path
 APP_NAME = "warpspec"
 DEPLOYMENT_NAME = "WarpspecServer"
 SPLIT_WINDOW_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _running_replicas() -> int:
@@ -97,18 +90,18 @@ def run_autoscale_check(model_dir: str | Path, concurrency: int = 8, max_tokens:
     import ray
     from ray import serve
 
-    from warpspec.serving.serve_cli import start_serving
+    from warpspec.serving.serve_cli import free_local_port, start_serving
 
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-scale-"),
              log_to_driver=False)
     load = None
     try:
-        grpc_port = _free_port()
+        grpc_port = free_local_port()
         start_serving({"model": str(model_dir), "dtype": "float32", "num_kv_blocks": 64, "min_replicas": 1,
                        "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
                        "downscale_delay_s": 3, "look_back_period_s": 2,
                        "metrics_interval_s": 0.5},
-                      grpc_port=grpc_port, http_port=_free_port(), host="127.0.0.1")
+                      grpc_port=grpc_port, http_port=free_local_port(), host="127.0.0.1")
         assert _running_replicas() == 1
         load = _Load(f"127.0.0.1:{grpc_port}", concurrency, max_tokens)
         scaled_up_s = _wait_for(lambda: _running_replicas() == 2, timeout_s, "scaling up to 2 replicas")

@@ -14,11 +14,19 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import threading
 from typing import Any
 
 from warpspec.serving.auth import API_KEY_ENV
 from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTIONS
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a local deployment's proxies (tests, benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_serving(args: dict[str, Any], grpc_port: int = 9000, http_port: int = 8000, host: str = "127.0.0.1",

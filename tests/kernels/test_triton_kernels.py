@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference, write_kv_cache  # noqa: E402
+from warpspec.kernels.fp8 import quantize_fp8_columns  # noqa: E402
 from warpspec.kernels.moe import moe_experts_reference, route_topk_sigmoid_reference  # noqa: E402
 from warpspec.kernels.norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from warpspec.kernels.rope import rope_qk_norm_reference  # noqa: E402
@@ -158,10 +159,8 @@ def random_experts(gen, num_experts, hidden, inter, dtype, fp8: bool):
     if not fp8:
         return gate_up.to(dtype), down.to(dtype), None, None
     # Per-output-channel scales: the largest magnitude in each output column maps to e4m3's 448.
-    gate_up_scale = gate_up.abs().amax(dim=1) / 448
-    down_scale = down.abs().amax(dim=1) / 448
-    return ((gate_up / gate_up_scale[:, None, :]).to(torch.float8_e4m3fn),
-            (down / down_scale[:, None, :]).to(torch.float8_e4m3fn), gate_up_scale, down_scale)
+    (gate_up, gate_up_scale), (down, down_scale) = quantize_fp8_columns(gate_up), quantize_fp8_columns(down)
+    return gate_up, down, gate_up_scale, down_scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
