@@ -1,15 +1,30 @@
 """The warpspec.v1.Generation servicer function Serve's gRPC proxy registers (serve_config's
-GRPC_SERVICER_FUNCTIONS): the generated one's handlers, with request parsing that cannot fail.
+GRPC_SERVICER_FUNCTIONS): the generated one's handlers, with request parsing that cannot fail and
+streams whose client cancellations always reach the replica.
 
-The proxy parses each request with the handler's request_deserializer before Serve routes it. With
-the generated `GenerateRequest.FromString`, bytes that are not a GenerateRequest (a string field that
-is not UTF-8, a corrupt wire format) raise inside grpc, and the client gets UNKNOWN "Unexpected
-DecodeError" from the proxy. Here they become a MalformedMessage that travels to the replica like any
-request, and GenerationService refuses it with INVALID_ARGUMENT naming the message type.
+Parsing. The proxy parses each request with the handler's request_deserializer before Serve routes
+it. With the generated `GenerateRequest.FromString`, bytes that are not a GenerateRequest (a string
+field that is not UTF-8, a corrupt wire format) raise inside grpc, and the client gets UNKNOWN
+"Unexpected DecodeError" from the proxy. Here they become a MalformedMessage that travels to the
+replica like any request, and GenerationService refuses it with INVALID_ARGUMENT naming the message.
+
+Cancellation. When a streaming client cancels (or its deadline passes), grpc cancels the task that
+drives the proxy's response generator. Serve's proxy (Ray 2.60, `gRPCProxy.send_request_to_replica`)
+cancels the replica's request only if that CancelledError lands while it awaits the replica's next
+message. If it lands while grpc is sending a message to the client, the proxy's generator is left
+suspended at its `yield`; it is closed later with GeneratorExit, which the proxy catches as a plain
+error ("Request failed due to unexpected error ... GeneratorExit") without cancelling anything, and
+the replica generates the whole request for nobody. Which of the two happens is a race: seen in 1 of
+10 cancels after a deadline, and in 2 of 3 runs of the suite's cancellation test.
+`_cancel_propagating` closes the race: the proxy's generator runs in a task of its own that is only
+ever suspended awaiting the replica, and a client that goes away cancels that task.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +54,68 @@ def _tolerant_parser(message_type):
     return parse
 
 
+@dataclass(frozen=True)
+class _StreamEnd:
+    error: BaseException | None = None  # None: the stream finished
+
+
+def _cancel_propagating(stream_handler):
+    """A server-streaming handler that runs stream_handler's async generator in a task of its own
+    and writes its messages with `context.write`. The task awaits nothing but the generator, so a
+    cancel always lands inside the proxy's wait for the replica's next message, where Serve turns
+    it into a cancel of the replica's request.
+
+    This handler is a coroutine, not an async generator, so that grpc's cancel (client cancel or
+    deadline) always lands in it, even mid-send, and it finishes the task before returning: the
+    proxy's generator still touches the call at its end (context.peer() for the access log), and
+    grpc frees the call once the handler returns (doing so later crashed the proxy with SIGSEGV)."""
+    async def handler(request, context) -> None:
+        messages: asyncio.Queue = asyncio.Queue()  # unbounded: the pump never waits on the client
+
+        async def pump() -> None:
+            try:
+                async for message in stream_handler(request, context):
+                    messages.put_nowait(message)
+            except BaseException as e:  # noqa: BLE001 - handed to the handler, which raises it
+                messages.put_nowait(_StreamEnd(e))
+                raise
+            messages.put_nowait(_StreamEnd())
+
+        task = asyncio.get_running_loop().create_task(pump())
+        try:
+            while True:
+                item = await messages.get()
+                if isinstance(item, _StreamEnd):
+                    if item.error is not None:
+                        raise item.error
+                    return
+                await context.write(item)
+        finally:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):  # its error, if any, was raised above
+                await task
+    return handler
+
+
+class GenerationHandlers(grpc.ServiceRpcHandler):
+    """The service's method handlers. Serve's gRPC proxy replaces `_method_handlers` with its own
+    routing handlers after registration (grpc_util.gRPCGenericServer.add_generic_rpc_handlers), so
+    streaming handlers are wrapped when a call looks them up, whatever they are by then."""
+
+    def __init__(self, method_handlers: dict[str, grpc.RpcMethodHandler]):
+        self._method_handlers = {f"/{SERVICE.full_name}/{name}": h for name, h in method_handlers.items()}
+
+    def service_name(self) -> str:
+        return SERVICE.full_name
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._method_handlers.get(handler_call_details.method)
+        if handler is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            handler = handler._replace(unary_stream=_cancel_propagating(handler.unary_stream))
+        return handler
+
+
 def add_GenerationServicer_to_server(servicer, server) -> None:  # noqa: N802 - the name grpc's codegen uses
     handlers = {}
     for method in SERVICE.methods:
@@ -47,5 +124,4 @@ def add_GenerationServicer_to_server(servicer, server) -> None:  # noqa: N802 - 
         handlers[method.name] = make(getattr(servicer, method.name),
                                      request_deserializer=_tolerant_parser(request_type),
                                      response_serializer=response_type.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    server.add_generic_rpc_handlers((GenerationHandlers(handlers),))

@@ -43,6 +43,29 @@ class Stack:
                 raise AssertionError(f"the replica did not return to idle with all KV blocks free: {stats}")
             time.sleep(0.05)
 
+    def wait_aborted(self, expected: int, within_s: float = 1.0) -> float:
+        """Seconds until the replica has aborted `expected` requests in all (num_aborted counts only
+        requests whose client went away before they finished) and is idle with every KV block free.
+        Fails if that takes longer than within_s, counted from the call: the moment the client gave up."""
+        start = time.monotonic()
+        while True:
+            stats = self.stats()
+            idle = stats["num_in_flight"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+            if stats["num_aborted"] >= expected and idle and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]:
+                assert stats["num_aborted"] == expected, stats
+                return time.monotonic() - start
+            if time.monotonic() - start > within_s:
+                raise AssertionError(f"no abort within {within_s} s: expected num_aborted {expected}, {stats}")
+            time.sleep(0.02)
+
+    def wait_running(self, timeout_s: float = 10.0) -> None:
+        """Returns once a request is running (generating) on the replica."""
+        deadline = time.monotonic() + timeout_s
+        while self.stats()["num_running"] == 0:
+            if time.monotonic() > deadline:
+                raise AssertionError("no request started running")
+            time.sleep(0.02)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
