@@ -204,21 +204,31 @@ class RowParallelLinear(Linear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Vocabulary rows split across ranks (even_split, so ranks' parts are in vocabulary order). Looking up a token
-    another rank owns gives zeros here; the sum over ranks is the embedding. The lm_head has the same
-    layout (its own weight, or this one when embeddings are tied)."""
+    """Vocabulary rows split across ranks in equal, padded shards, as vLLM pads them: every rank holds
+    shard_size = ceil(vocab / world_size) rows, rank r the ids [r * shard_size, (r + 1) * shard_size),
+    and rows past the vocabulary are zero. 513 ids over 2 ranks -> 257 + 256 real rows, 257 each.
+    Equal shards are what the gathers need (gloo's gather and NCCL's all-gather take one size from
+    every rank), and rank order is vocabulary order, so the gathered logits are the vocabulary's
+    followed by padding, cut off by `trim_logits`.
+
+    Looking up a token another rank owns gives zeros here; the sum over ranks is the embedding. The
+    lm_head has the same layout (its own weight, or this one when embeddings are tied)."""
 
     def __init__(self, vocab_size: int, hidden: int, comm: Communicator, dtype: torch.dtype):
         super().__init__()
         self.vocab_size = vocab_size
         self.world_size = comm.world_size
-        self.start, self.end = even_split(vocab_size, comm.world_size, comm.rank)
-        self.weight = empty_param(self.end - self.start, hidden, dtype=dtype)
+        self.shard_size = -(-vocab_size // comm.world_size)
+        self.start = min(comm.rank * self.shard_size, vocab_size)
+        self.end = min(self.start + self.shard_size, vocab_size)
+        self.weight = empty_param(self.shard_size, hidden, dtype=dtype)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
         check_shape(name, (self.vocab_size, param.shape[1]), loaded.shape)
-        param.data.copy_(loaded.read(slice(self.start, self.end)))
+        num_real = self.end - self.start
+        param.data[:num_real].copy_(loaded.read(slice(self.start, self.end)))
+        param.data[num_real:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden], partial over ranks when world_size > 1."""
@@ -227,6 +237,10 @@ class VocabParallelEmbedding(nn.Module):
         is_local = (input_ids >= self.start) & (input_ids < self.end)
         local_ids = torch.where(is_local, input_ids - self.start, 0)
         return F.embedding(local_ids, self.weight) * is_local[:, None].to(self.weight.dtype)
+
+    def trim_logits(self, gathered: torch.Tensor) -> torch.Tensor:
+        """[n, world_size * shard_size] gathered over ranks -> [n, vocab]: the padding columns dropped."""
+        return gathered[..., : self.vocab_size]
 
 
 class RMSNorm(nn.Module):

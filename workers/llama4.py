@@ -240,7 +240,8 @@ class Llama4ForCausalLM(nn.Module):
         """[num_logits, hidden] -> [num_logits, vocab] float32 on rank 0; None on other ranks."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         local = F.linear(hidden, head.weight).float()
-        return self.comm.gather(local, dim=-1)
+        gathered = self.comm.gather(local, dim=-1)
+        return None if gathered is None else head.trim_logits(gathered)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):

@@ -47,9 +47,25 @@ def test_sharded_matches_single_process(ray_cluster, checkpoint, single_process,
         assert_same_outputs(llm.generate(_prompts(), PARAMS), single_process)
 
 
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_vocabulary_the_workers_do_not_divide(ray_cluster, tmp_path, tie_word_embeddings):
+    """509 ids over 2 ranks: padded shards of 255 rows (255 + 254 real). Before the padding, rank 0's
+    gather assumed its own shard size for both ranks and returned wrong logits, ids past the vocabulary included."""
+    path = make_text_checkpoint(tmp_path / "odd", vocab_size=509, num_local_experts=4, interleave_moe_layer_step=2,
+                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie_word_embeddings)
+    prompts = [[508, 3, 254, 255, 256, 17], [1, 2, 3]]  # ids at both ends of both shards
+    with LLM(str(path), dtype="float32") as llm:
+        expected = llm.generate(prompts, PARAMS)
+    with LLM(str(path), dtype="float32", num_workers=2) as llm:
+        got = llm.generate(prompts, PARAMS)
+    assert_same_outputs(got, expected)
+    assert all(0 <= t < 509 for out in got for t in out.token_ids)
+
+
 @pytest.mark.slow
-def test_four_workers_with_uneven_experts_and_replicated_kv_heads(ray_cluster, tmp_path):
-    path = make_text_checkpoint(tmp_path / "four", num_local_experts=6, interleave_moe_layer_step=1,
+def test_four_workers_with_uneven_experts_vocabulary_and_replicated_kv_heads(ray_cluster, tmp_path):
+    # 510 ids over 4 ranks: shards of 128 rows, the last two with 127 real ones.
+    path = make_text_checkpoint(tmp_path / "four", num_local_experts=6, interleave_moe_layer_step=1, vocab_size=510,
                                 num_attention_heads=4, num_key_value_heads=2, attention_chunk_size=8, floor_scale=4)
     with LLM(str(path), dtype="float32") as llm:
         expected = llm.generate(_prompts(), PARAMS)

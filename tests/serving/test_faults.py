@@ -20,6 +20,7 @@ import psutil
 import pytest
 from conftest import ENGINE_ARGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import wait_for, wait_for_async
 
 from warpspec.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
@@ -47,15 +48,6 @@ def _live_placement_groups() -> int:
     return sum(1 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
 
 
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.1)
-    return value
-
-
 def _deploy(name: str, checkpoint, **args):
     """build_app's application (as `warpspec serve` deploys it), beside the shared stack's."""
     from ray import serve
@@ -76,7 +68,7 @@ def fault_app(serving_stack):
         yield handle, channel, serving_stack.http_base
     serve.delete(FAULT_APP)
     # Deleting the app released the replica, its coordinator, its workers and their placement group.
-    _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30, f"back to {baseline}")
+    wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30, f"back to {baseline}")
 
 
 def _metadata(app: str) -> list[tuple[str, str]]:
@@ -154,7 +146,7 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
     with pytest.raises(urllib.error.HTTPError) as http_refused:
         urllib.request.urlopen(request, timeout=10)
     assert http_refused.value.code == 503
-    _wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
+    wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
               health_pb2.HealthCheckResponse.SERVING, 90, "the replica to serve again")
 
     after = handle.processes.remote().result()
@@ -163,7 +155,7 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
     assert after.coordinator_pid != before.coordinator_pid and not set(after.worker_pids) & set(before.worker_pids)
     assert _greedy(stub, FAULT_APP) == expected
     # Nothing doubled: the dead coordinator's or survivors' actors and placement group are gone.
-    _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == (actors_before, groups_before), 20,
+    wait_for(lambda: (_alive_actors(), _live_placement_groups()) == (actors_before, groups_before), 20,
               f"{actors_before} actors and {groups_before} placement groups")
     rss_after = psutil.Process(after.pid).memory_info().rss
     assert abs(rss_after - rss_before) < 0.10 * rss_before, (rss_before, rss_after)
@@ -197,7 +189,7 @@ def test_scale_down_finishes_short_requests_cuts_off_long_ones_and_releases_ever
     assert long.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE), (long.code, long.details)
     assert long.num_tokens < 1000
     assert long.ended_at - deleting_at < drain_s + 10
-    _wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30,
+    wait_for(lambda: (_alive_actors(), _live_placement_groups()) == baseline, 30,
               f"the replica's actors and placement group released ({baseline})")
 
 
@@ -227,9 +219,10 @@ def test_drain_finishes_in_flight_work_then_cuts_off_the_rest_and_refuses_new(se
         assert len(short) == 8
         assert isinstance(long, ReplicaDrainingError) and "drain timeout 1 s" in str(long)
         assert num_cut == 1
-        await asyncio.sleep(0.05)  # the abort lands before the next (idle) step
-        stats = engine.stats()
-        assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_in_flight == 0
+        # The cut request's abort is applied by the engine's loop task between steps.
+        await wait_for_async(lambda: engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks, 10,
+                             "the cut request's KV blocks freed")
+        assert engine.stats().num_in_flight == 0
         assert engine.failure is None  # draining is not a fault: nothing to rebuild
         await engine.shutdown()
 
@@ -263,9 +256,7 @@ def test_failed_step_rebuilds_the_engine_in_process(serving_checkpoint):
         assert all(isinstance(r, WorkerDiedError) for r in results), results
         with pytest.raises(EngineError, match="rebuilding"):
             engine.check_health()
-        deadline = time.monotonic() + 60
-        while engine.failure is not None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_for_async(lambda: engine.failure is None, 60, "the engine rebuilt")
         engine.check_health()
         assert engine.llm.engine is not failed_engine and engine.num_rebuilds == 1
         assert await run([5, 6, 7]) == expected
