@@ -43,6 +43,7 @@ def measure_mode(model: Path, dispatch: str, num_workers: int, batch: int, new_t
             return out
 
         executor.execute = timed_execute
+        executor.record_timings()
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         prompts = [[1, *range(10 + i, 26 + i)] for i in range(batch)]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up

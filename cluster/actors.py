@@ -52,6 +52,9 @@ class CoordinatorActor:
     def propose(self, request_bytes: bytes) -> bytes:
         return self.coordinator.propose(request_bytes)
 
+    def record_timings(self, enabled: bool) -> None:
+        self.coordinator.record_timings(enabled)
+
     def take_timings(self):
         return self.coordinator.take_timings()
 

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from warpspec.config import EngineConfig, engine_config
 from warpspec.engine import LLMEngine, Prompt
-from warpspec.errors import EngineError, EngineOverloadedError
+from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
@@ -30,11 +33,19 @@ class AsyncLLM:
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
         self.is_rebuilding = False
+        # With Ray workers a step is a blocking ray.get on the coordinator: it waits in a thread, so the
+        # event loop keeps streaming, admitting, cancelling and answering health checks meanwhile.
+        self.steps_in_thread = config.parallel.uses_ray
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> AsyncLLM:
         """Same keyword arguments as LLM."""
         return cls(engine_config(model, **options))
+
+    @classmethod
+    async def create(cls, model: str, **options: Any) -> AsyncLLM:
+        """from_options, built in a thread: loading weights and starting Ray workers block for seconds."""
+        return await asyncio.to_thread(cls.from_options, model, **options)
 
     @property
     def tokenizer(self):
@@ -108,7 +119,7 @@ class AsyncLLM:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.loop_task
             self.loop_task = None
-        self.engine.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)  # with Ray: the coordinator's shutdown call
 
     def _wake(self) -> None:
         if self.loop_task is None or self.loop_task.done():
@@ -133,17 +144,27 @@ class AsyncLLM:
                 await self.wakeup.wait()
                 continue
             try:
-                # The step runs on the event loop's own thread, and the loop serves other coroutines
-                # between steps. Run in a worker thread instead, the step contends with the loop for
-                # the GIL and torch starts a second OpenMP pool: measured 1.5-1.7x slower steps on
-                # 2 cores (19 ms vs 11 ms per decode step at 32 concurrent requests).
-                outputs = self.engine.step()
-            except Exception as error:  # noqa: BLE001 - every waiting request must learn of it
+                # In-process, the step (the model itself) runs on the event loop's own thread, and the
+                # loop serves other coroutines between steps. Run in a worker thread instead, it
+                # contends with the loop for the GIL and torch starts a second OpenMP pool: measured
+                # 1.5-1.7x slower steps on 2 cores (19 ms vs 11 ms per decode step at 32 requests).
+                # Nothing of the engine changes meanwhile: adds and aborts wait in pending_* until the
+                # step is over.
+                outputs = await asyncio.to_thread(self.engine.step) if self.steps_in_thread else self.engine.step()
+            except StepFailedError as error:  # the engine aborted that step's requests; the rest go on
+                logger.exception("an engine step failed; its %d requests fail", len(error.request_ids))
+                outputs = []
+                for request_id in error.request_ids:
+                    self._deliver(request_id, error)
+            except Exception as error:  # noqa: BLE001 - the workers are gone: every waiting request must learn of it
+                outputs = []
                 for queue in self.streams.values():
                     queue.put_nowait(error)
-                continue
             for out in outputs:
-                queue = self.streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                self._deliver(out.request_id, out)
             await asyncio.sleep(0)  # let the streams and new requests in before the next step
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        queue = self.streams.get(request_id)
+        if queue is not None:  # None: its client has gone, and its abort is pending
+            queue.put_nowait(item)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import ray
@@ -34,6 +35,9 @@ class ReplicaInfo:
     workers: list[WorkerInfo]
     dispatch: str
     draft_aux_layer_ids: tuple[int, ...] | None = None  # when the coordinator runs an EAGLE-3 draft
+
+
+MAX_TIMINGS = 100_000  # steps of DispatchTiming kept while recording: ~10 MB at most
 
 
 @dataclass
@@ -67,7 +71,8 @@ class Coordinator:
         except BaseException:
             self.shutdown()  # a half-built replica must not keep its actors
             raise
-        self.timings: list[DispatchTiming] = []
+        # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
+        self.timings: deque[DispatchTiming] | None = None
         self.is_broken = False
 
     # ---- setup ----------------------------------------------------------------------------------
@@ -132,8 +137,8 @@ class Coordinator:
                 raise e.cause from None
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
-        wall = time.perf_counter() - start
-        self.timings.append(DispatchTiming(wall, max(compute_s for compute_s, _ in replies)))
+        if self.timings is not None:
+            self.timings.append(DispatchTiming(time.perf_counter() - start, max(compute_s for compute_s, _ in replies)))
         if self.drafter is None:
             return replies[0][1]
         # The hidden states stay here for the draft; the engine gets the logits only.
@@ -146,8 +151,16 @@ class Coordinator:
         """Encoded draft requests for the step just run -> encoded drafts (coordinator_proposer.py)."""
         return self.drafter.handle(request_bytes)
 
+    def record_timings(self, enabled: bool) -> None:
+        """Start (or stop) keeping each step's DispatchTiming, the last MAX_TIMINGS of them."""
+        self.timings = deque(maxlen=MAX_TIMINGS) if enabled else None
+
     def take_timings(self) -> list[DispatchTiming]:
-        timings, self.timings = self.timings, []
+        """The timings kept since the last call (none unless record_timings(True))."""
+        if self.timings is None:
+            return []
+        timings = list(self.timings)
+        self.timings.clear()
         return timings
 
     def num_collectives(self) -> list[int]:

@@ -18,14 +18,14 @@ import torch
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
 from warpspec.coordinator_proposer import CoordinatorProposer, load_eagle3_proposer
-from warpspec.errors import EngineError
+from warpspec.errors import EngineError, StepFailedError
 from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import DraftRequest, Proposer
 from warpspec.rejection_sampler import verify
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.scheduler import ScheduledSequence, Scheduler
+from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.sequence import Sequence
 from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -137,11 +137,27 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one model step; returns an output for every request that gained tokens or finished,
-        carrying the new tokens and text as a delta."""
+        carrying the new tokens and text as a delta.
+
+        Raises EngineError when the workers are gone (every request is dropped: nothing can run), and
+        StepFailedError for any other failure, after aborting only the requests this step ran."""
         step_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        try:
+            return self._run_step(sched, step_start)
+        except EngineError:
+            self._fail_all()
+            raise
+        except Exception as e:
+            # Left in the batch, the same requests would fail the same way at every step from now on.
+            request_ids = [item.seq.request_id for item in sched.scheduled]
+            for request_id in request_ids:
+                self.abort(request_id)
+            raise StepFailedError(request_ids, e) from e
+
+    def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestOutput]:
         now = time.perf_counter()
         plan = []
         for item in sched.scheduled:
@@ -149,11 +165,7 @@ class LLMEngine:
             plan.append(SequenceStep(item.token_ids, item.num_cached,
                                      self.block_manager.block_tables[item.seq.request_id], self._logits_from(item)))
         aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else None
-        try:
-            output = self.executor.execute(StepInput.build(plan, self.block_size, aux_layer_ids))
-        except EngineError:
-            self._fail_all()
-            raise
+        output = self.executor.execute(StepInput.build(plan, self.block_size, aux_layer_ids))
         logits = output.logits
 
         # Rows of `logits` per scheduled sequence, in order.

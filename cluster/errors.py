@@ -15,3 +15,14 @@ class PlacementError(EngineError):
 
 class EngineOverloadedError(EngineError):
     """The waiting queue is full; the request was not accepted."""
+
+
+class StepFailedError(RuntimeError):
+    """A step failed for a reason other than the replica's workers (a bug, a bad tensor): the requests
+    it ran are aborted with this error and the engine goes on serving the others. Not an EngineError,
+    because nothing needs rebuilding."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        self.request_ids = request_ids
+        first_line = (str(cause).splitlines() or [""])[0][:200]
+        super().__init__(f"the engine step running this request failed ({type(cause).__name__}: {first_line})")

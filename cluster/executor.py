@@ -66,6 +66,10 @@ class RayExecutor:
         except RayActorError as e:
             raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
 
+    def record_timings(self, enabled: bool = True) -> None:
+        """Have the coordinator keep each step's DispatchTiming (benchmarks; off by default)."""
+        ray.get(self.coordinator.record_timings.remote(enabled))
+
     def take_timings(self) -> list[DispatchTiming]:
         return ray.get(self.coordinator.take_timings.remote())
 

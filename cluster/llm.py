@@ -64,12 +64,19 @@ class LLM:
         for seq in seqs:
             engine.add_sequence(seq)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as progress:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        progress.update()
+        try:
+            with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as progress:
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            progress.update()
+        except BaseException:
+            # A failed step (or Ctrl-C) ends the whole call: its other requests leave the engine too,
+            # so the next generate does not run them.
+            for seq in seqs:
+                engine.abort(seq.request_id)
+            raise
         return [finished[seq.request_id] for seq in seqs]
 
     def shutdown(self) -> None:

@@ -76,7 +76,7 @@ class WarpspecServer:
                        stream_interval: int = 1, drain_timeout_s: float = 5.0, limits: RequestLimits | None = None,
                        auth: ApiKeyAuth | None = None):
         _match_threads_to_reserved_cpus()
-        llm = AsyncLLM.from_options(model, **engine_options)
+        llm = await AsyncLLM.create(model, **engine_options)
         metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
         self.engine = ReplicaEngine(llm, model_name, metrics, stream_interval)
         self.drain_timeout_s = drain_timeout_s
@@ -152,7 +152,7 @@ class WarpspecServer:
         return self.engine.stats()
 
     async def processes(self) -> ReplicaProcesses:
-        return self.engine.processes()
+        return await self.engine.processes()
 
     async def __del__(self):
         # A constructor that failed (a bad checkpoint) leaves some of these unset.

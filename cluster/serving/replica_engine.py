@@ -143,13 +143,14 @@ class ReplicaEngine:
             doing = " (rebuilding its workers)" if self.rebuild_task is not None else ""
             raise EngineError(f"this replica cannot serve{doing}: {self.failure}")
 
-    def processes(self) -> ReplicaProcesses:
+    async def processes(self) -> ReplicaProcesses:
         import psutil
 
         executor = self.llm.engine.executor
         coordinator_pid, worker_pids = None, []
-        if hasattr(executor, "coordinator") and self.failure is None:
-            coordinator_pid, worker_pids = executor.coordinator_pid(), executor.worker_pids()
+        if hasattr(executor, "coordinator") and self.failure is None:  # two ray.get calls: off the event loop
+            coordinator_pid, worker_pids = await asyncio.to_thread(
+                lambda: (executor.coordinator_pid(), executor.worker_pids()))
         return ReplicaProcesses(os.getpid(), psutil.Process().memory_info().rss, coordinator_pid, worker_pids,
                                 self.num_rebuilds, self.failure)
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from warpspec import LLM, InvalidRequestError, SamplingParams
 from warpspec.async_llm import AsyncLLM
-from warpspec.errors import EngineOverloadedError
+from warpspec.errors import EngineOverloadedError, StepFailedError
 from warpspec.random_checkpoint import create_random_checkpoint
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -98,3 +99,94 @@ def test_bad_requests_fail_alone(checkpoint):
         return result
 
     assert len(asyncio.run(main())[-1].token_ids) == 16
+
+
+def test_a_failed_step_fails_its_requests_and_the_rest_are_served(checkpoint):
+    """A step that raises something other than EngineError (a bug, a bad tensor) used to leave its
+    requests in the batch: AsyncLLM stepped them again at once, forever, without yielding to the
+    event loop. Now that step's requests fail with StepFailedError and the others are served."""
+    failures = {"left": 1}
+
+    async def main():
+        engine = AsyncLLM.from_options(str(checkpoint), dtype="float32", max_num_seqs=1)
+        execute = engine.engine.executor.execute
+
+        def fail_once(step):
+            if failures["left"]:
+                failures["left"] -= 1
+                raise RuntimeError("a bug in the step")
+            return execute(step)
+
+        engine.engine.executor.execute = fail_once
+        # max_num_seqs=1: the first request runs alone in the failing step, the second waits.
+        first = asyncio.create_task(_collect(engine, [1, 2, 3], GREEDY))
+        second = asyncio.create_task(_collect(engine, [4, 5, 6], GREEDY))
+        with pytest.raises(StepFailedError, match="RuntimeError: a bug in the step"):
+            await first
+        served = await second
+        after = await _collect(engine, [7, 8], GREEDY)
+        blocks = engine.engine.block_manager
+        assert blocks.num_free_blocks == blocks.num_blocks and not engine.engine.has_unfinished()
+        await engine.shutdown()
+        return served, after
+
+    outcome: dict = {}
+    # A regression spins the event loop without ever yielding, so no asyncio timeout could fire.
+    thread = threading.Thread(target=lambda: outcome.update(result=asyncio.run(main())), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the engine loop is stuck on the failed step"
+    served, after = outcome["result"]
+    assert len(served[-1].token_ids) == 16 and len(after[-1].token_ids) == 16
+
+
+def test_llm_generate_leaves_nothing_behind_after_a_failed_step(checkpoint):
+    with LLM(str(checkpoint), dtype="float32") as llm:
+        expected = llm.generate([[1, 2, 3]], GREEDY)[0].token_ids
+        execute = llm.engine.executor.execute
+
+        def fail(step):
+            raise ValueError("a bad tensor")
+
+        llm.engine.executor.execute = fail
+        with pytest.raises(StepFailedError, match="ValueError: a bad tensor"):
+            llm.generate([[1, 2, 3], [4, 5]], GREEDY)
+        assert not llm.engine.has_unfinished()
+        llm.engine.executor.execute = execute
+        assert llm.generate([[1, 2, 3]], GREEDY)[0].token_ids == expected
+
+
+def test_no_blocking_ray_call_runs_on_the_event_loop(ray_cluster, checkpoint, monkeypatch):
+    """With Ray workers every step is a ray.get on the coordinator. On the replica's event loop it
+    would stall every stream, cancel and health check for the length of each step."""
+    import ray
+
+    from warpspec.serving.replica_engine import ReplicaEngine
+
+    on_loop: list[str] = []
+    blocking_get = ray.get
+
+    def get(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append("".join(__import__("traceback").format_stack(limit=4)))
+        except RuntimeError:  # no loop runs in this thread: a worker thread
+            pass
+        return blocking_get(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "get", get)
+
+    async def main():
+        llm = await AsyncLLM.create(str(checkpoint), dtype="float32", num_workers=1, executor="ray")
+        engine = ReplicaEngine(llm, "tiny", rebuild_on_failure=False)
+        await engine.warm_up()
+        outputs = [out async for out in engine.stream([1, 2, 3], GREEDY)]
+        processes = await engine.processes()
+        engine.stats()
+        await engine.shutdown()
+        return outputs, processes
+
+    outputs, processes = asyncio.run(main())
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 16
+    assert processes.coordinator_pid is not None and len(processes.worker_pids) == 1
+    assert not on_loop, on_loop[0]

@@ -148,3 +148,17 @@ def _wait_for_all_cpus(ray, timeout_s: float = 10) -> None:
     while ray.available_resources().get("CPU", 0) < 8 and time.time() < deadline:
         time.sleep(0.1)
     assert ray.available_resources().get("CPU", 0) == 8, ray.available_resources()
+
+
+def test_the_coordinator_keeps_step_timings_only_when_asked(ray_cluster, checkpoint):
+    """A replica runs for months: the coordinator used to keep one DispatchTiming per step forever."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(str(checkpoint), dtype="float32", num_workers=1, executor="ray") as llm:
+        executor = llm.engine.executor
+        llm.generate([[1, 2, 3]], params)
+        assert executor.take_timings() == []
+        executor.record_timings()
+        llm.generate([[1, 2, 3]], params)
+        timings = executor.take_timings()
+        assert len(timings) == 6 and all(t.wall_s >= t.slowest_compute_s > 0 for t in timings)  # prefill + 5 decodes
+        assert executor.take_timings() == []  # taken, not kept

@@ -208,8 +208,11 @@ def test_drain_finishes_in_flight_work_then_cuts_off_the_rest_and_refuses_new(se
                 return e
 
         tasks = [asyncio.create_task(run(8)), asyncio.create_task(run(500))]
-        await asyncio.sleep(0.3)
-        drain = asyncio.create_task(engine.drain(timeout_s=1.0))
+        # Drain once both run. A fixed 0.3 s sleep plus a 1 s drain let the 500-token request finish
+        # (seen once). From here it needs ~490 more steps (~1.4 s here, 2.8 ms a step), the short one
+        # under 8 (~25 ms): 0.25 s leaves 10x either way.
+        await wait_for_async(lambda: engine.stats().num_running == 2, 10, "both requests running")
+        drain = asyncio.create_task(engine.drain(timeout_s=0.25))
         await asyncio.sleep(0)
         refused = await run(4)  # arrives while draining
         num_cut = await drain
@@ -217,7 +220,7 @@ def test_drain_finishes_in_flight_work_then_cuts_off_the_rest_and_refuses_new(se
         assert isinstance(refused, ReplicaDrainingError)
         assert wire_error(refused).grpc_code == grpc.StatusCode.UNAVAILABLE
         assert len(short) == 8
-        assert isinstance(long, ReplicaDrainingError) and "drain timeout 1 s" in str(long)
+        assert isinstance(long, ReplicaDrainingError) and "drain timeout 0.25 s" in str(long)
         assert num_cut == 1
         # The cut request's abort is applied by the engine's loop task between steps.
         await wait_for_async(lambda: engine.stats().num_free_kv_blocks == engine.stats().num_kv_blocks, 10,
