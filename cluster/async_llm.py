@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from typing import Any
 
 from warpspec.config import EngineConfig, engine_config
 from warpspec.engine import LLMEngine, Prompt
+from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -50,6 +52,31 @@ class AsyncLLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def num_in_flight(self) -> int:
+        """Open request streams (admitted or not)."""
+        return len(self.streams)
+
+    def stats(self) -> EngineStats:
+        """The engine's snapshot, with requests submitted but not yet admitted counted as waiting."""
+        stats = self.engine.stats()
+        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self.pending_adds))
+
+    async def process_ids(self) -> tuple[int | None, list[int]]:
+        """(coordinator pid, worker pids) with Ray workers; (None, []) when the model runs in this process."""
+        executor = self.engine.executor
+        if not self.config.parallel.uses_ray:
+            return None, []
+        return await asyncio.to_thread(lambda: (executor.coordinator_pid(), executor.worker_pids()))
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:

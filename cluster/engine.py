@@ -18,6 +18,7 @@ import torch
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
 from warpspec.coordinator_proposer import CoordinatorProposer, load_eagle3_proposer
+from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
 from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
@@ -35,7 +36,10 @@ Prompt = str | list[int]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None):
+        """proposer: drafts for speculative decoding; None loads the EAGLE-3 draft that config names
+        (and none without one). A given proposer speculates config.speculative.num_speculative_tokens
+        tokens whatever the config's draft."""
         self.config = config
         self.executor = make_executor(config)
         self.model_config = self.executor.model_config
@@ -48,7 +52,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.seed_source = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Sequence] = {}
-        self.proposer = self._load_proposer()
+        self.proposer = proposer if proposer is not None else self._load_proposer()
         self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.spec_stats = SpeculationStats()
 
@@ -128,6 +132,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        blocks = self.block_manager
+        return EngineStats(num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
+                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           prefix_cache_hit_rate=blocks.stats.hit_rate,
+                           acceptance_length=self.spec_stats.acceptance_length)
 
     @property
     def num_waiting(self) -> int:

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from warpspec.config import engine_config
 from warpspec.engine import LLMEngine, Prompt
 from warpspec.outputs import RequestOutput
+from warpspec.proposer import Proposer
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -22,11 +23,13 @@ class LLM:
     ...     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
     """
 
-    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None, **options: Any):
+    def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None,
+                 proposer: Proposer | None = None, **options: Any):
         """options: the keyword arguments of warpspec.config.engine_config (KV cache, scheduler,
-        num_workers and the rest of the parallel layout)."""
+        num_workers and the rest of the parallel layout). proposer: a speculative-decoding proposer of
+        your own (warpspec.proposer.Proposer) instead of the EAGLE-3 draft that `draft` names."""
         self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
-        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self.engine: LLMEngine | None = LLMEngine(self.config, proposer)
         self._next_request = 0
 
     @property

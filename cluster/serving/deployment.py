@@ -12,7 +12,7 @@ Two ingresses reach it:
 
 Faults and shutdown:
 - a step that fails fatally (a worker or the coordinator died) fails the requests in flight with
-  UNAVAILABLE / 503 and starts rebuilding the engine in place (ReplicaEngine); `check_health` fails
+  UNAVAILABLE / 503 and starts rebuilding the engine in place (ReplicaFrontend); `check_health` fails
   until it is back. If rebuilding fails, or outlasts Serve's patience (3 failed checks, one every
   health_check_period_s), Serve replaces the whole replica instead.
 - scale-down and redeploys: Serve stops routing to the replica and waits up to
@@ -35,9 +35,9 @@ from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.grpc_service import GenerationService
 from warpspec.serving.limits import RequestLimits
-from warpspec.serving.metrics import EngineStats, ServingMetrics
+from warpspec.serving.metrics import ReplicaStats, ServingMetrics
 from warpspec.serving.openai_api import build_openai_app
-from warpspec.serving.replica_engine import ReplicaEngine, ReplicaProcesses
+from warpspec.serving.replica_frontend import ReplicaFrontend, ReplicaProcesses
 from warpspec.serving.wire_errors import wire_error
 
 logger = logging.getLogger("warpspec.serving")
@@ -78,7 +78,7 @@ class WarpspecServer:
         _match_threads_to_reserved_cpus()
         llm = await AsyncLLM.create(model, **engine_options)
         metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
-        self.engine = ReplicaEngine(llm, model_name, metrics, stream_interval)
+        self.engine = ReplicaFrontend(llm, model_name, metrics, stream_interval)
         self.drain_timeout_s = drain_timeout_s
         self.limits, self.auth = limits or RequestLimits(), auth  # auth None: no API key required
         self.service = GenerationService(self.engine, self.limits, auth)
@@ -148,7 +148,7 @@ class WarpspecServer:
     async def check_health(self) -> None:
         self.engine.check_health()
 
-    async def stats(self) -> EngineStats:
+    async def stats(self) -> ReplicaStats:
         return self.engine.stats()
 
     async def processes(self) -> ReplicaProcesses:

@@ -1,4 +1,4 @@
-"""The warpspec.v1.Generation RPCs and the grpc.health.v1 Check, over a ReplicaEngine.
+"""The warpspec.v1.Generation RPCs and the grpc.health.v1 Check, over a ReplicaFrontend.
 
 Transport-neutral: each method takes the request message and returns (or yields) the response;
 errors propagate as exceptions and `status_for` turns them into a gRPC status. The Serve deployment
@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.limits import RequestLimits
-from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.request_mapping import reject_unknown_fields, request_from_proto, response_from_output
 from warpspec.serving.wire_errors import NotFoundError
 
@@ -24,7 +24,7 @@ HEALTH_SERVICE_NAMES = ("", pb.DESCRIPTOR.services_by_name["Generation"].full_na
 
 
 class GenerationService:
-    def __init__(self, engine: ReplicaEngine, limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None):
+    def __init__(self, engine: ReplicaFrontend, limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None):
         self.engine = engine
         self.limits = limits or RequestLimits()
         self.auth = auth

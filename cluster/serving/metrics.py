@@ -8,8 +8,10 @@ depth, running sequences, KV cache usage, prefix-cache hit rate, mean acceptance
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from warpspec.engine_stats import EngineStats
 from warpspec.outputs import RequestOutput
 
 # Seconds. TTFT spans queueing and prefill; TPOT one decode step (or a fraction, when speculating).
@@ -19,8 +21,9 @@ ACCEPTANCE_BUCKETS = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
 
 
 @dataclass
-class EngineStats:
-    """A snapshot of one replica's engine; also what the admin call and the tests read."""
+class ReplicaStats:
+    """A snapshot of one replica: its engine's EngineStats plus what serving adds. Also what the admin
+    call and the tests read."""
     num_kv_blocks: int
     num_free_kv_blocks: int  # includes blocks held only by the prefix cache (free to evict)
     num_running: int
@@ -30,6 +33,11 @@ class EngineStats:
     acceptance_length: float  # engine-wide mean; 0 without speculation
     num_aborted: int  # requests whose client cancelled or disconnected mid-way
     is_healthy: bool
+
+    @classmethod
+    def of(cls, engine: EngineStats, num_in_flight: int, num_aborted: int, is_healthy: bool) -> ReplicaStats:
+        return cls(**dataclasses.asdict(engine), num_in_flight=num_in_flight, num_aborted=num_aborted,
+                   is_healthy=is_healthy)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -86,7 +94,7 @@ class ServingMetrics:
             self.generation_tokens.inc(len(out.token_ids))
         self.requests.inc(1, tags={**self.default_tags, "finish_reason": out.finish_reason or "unknown"})
 
-    def record_stats(self, stats: EngineStats) -> None:
+    def record_stats(self, stats: ReplicaStats) -> None:
         self.queue_depth.set(stats.num_waiting)
         self.running.set(stats.num_running)
         self.kv_usage.set(stats.kv_cache_usage)

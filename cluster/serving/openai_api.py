@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API of one replica, as a FastAPI app over a ReplicaEngine.
+"""The OpenAI-compatible HTTP API of one replica, as a FastAPI app over a ReplicaFrontend.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: server-sent events)
     GET  /v1/models             GET  /health                   GET /admin/stats (KV blocks, queue)
@@ -24,7 +24,7 @@ from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.chat_template import ChatTemplate
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.openai_protocol import ResponseBuilder, chat_request, completion_request, requested_model
-from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.wire_errors import NotFoundError, wire_error
 
 
@@ -64,7 +64,7 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def build_openai_app(engine: ReplicaEngine, chat_template: ChatTemplate | None = None, replica_id: str = "",
+def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None = None, replica_id: str = "",
                      limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None) -> FastAPI:
     app = FastAPI(title="warpspec", description="OpenAI-compatible API of a warpspec replica")
     template = chat_template or ChatTemplate.from_dir(engine.description.path, engine.tokenizer)

@@ -161,7 +161,7 @@ def test_no_blocking_ray_call_runs_on_the_event_loop(ray_cluster, checkpoint, mo
     would stall every stream, cancel and health check for the length of each step."""
     import ray
 
-    from warpspec.serving.replica_engine import ReplicaEngine
+    from warpspec.serving.replica_frontend import ReplicaFrontend
 
     on_loop: list[str] = []
     blocking_get = ray.get
@@ -178,7 +178,7 @@ def test_no_blocking_ray_call_runs_on_the_event_loop(ray_cluster, checkpoint, mo
 
     async def main():
         llm = await AsyncLLM.create(str(checkpoint), dtype="float32", num_workers=1, executor="ray")
-        engine = ReplicaEngine(llm, "tiny", rebuild_on_failure=False)
+        engine = ReplicaFrontend(llm, "tiny", rebuild_on_failure=False)
         await engine.warm_up()
         outputs = [out async for out in engine.stream([1, 2, 3], GREEDY)]
         processes = await engine.processes()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -133,3 +135,20 @@ def test_string_prompt_without_tokenizer(checkpoint, tmp_path):
             llm.generate("hello")
         out = llm.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0))[0]
         assert out.text == "" and len(out.token_ids) == 3
+
+
+def test_one_local_worker_runs_without_importing_ray(checkpoint):
+    """Ray costs seconds and hundreds of MB to import: an in-process engine (AsyncLLM too) has no use for it."""
+    code = ("import asyncio, sys\n"
+            "from warpspec import LLM, SamplingParams\n"
+            "from warpspec.async_llm import AsyncLLM\n"
+            f"llm = LLM({str(checkpoint)!r}, dtype='float32')\n"
+            "assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids) == 2\n"
+            f"engine = AsyncLLM.from_options({str(checkpoint)!r}, dtype='float32')\n"
+            "async def main():\n"
+            "    return [o async for o in engine.generate([1, 2], SamplingParams(max_tokens=2))]\n"
+            "assert asyncio.run(main())[-1].finished\n"
+            "print('ray' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"

@@ -89,10 +89,9 @@ def scripted(reference, error_rate: float) -> ScriptedProposer:
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
-def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference, error_rate):
-    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=4,
-             block_size=4) as llm:
-        llm.engine.proposer = scripted(reference, error_rate)
+def test_accepts_and_rollbacks_keep_greedy_output_exact(target, reference, error_rate):
+    with LLM(str(target), dtype="float32", num_speculative_tokens=4, block_size=4,
+             proposer=scripted(reference, error_rate)) as llm:
         outs = llm.generate(_prompts(), GREEDY)
         stats = llm.engine.spec_stats
         manager = llm.engine.block_manager
@@ -106,11 +105,10 @@ def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference
         assert stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-def test_drafts_never_cross_max_tokens_or_stop_tokens(target, draft, reference):
+def test_drafts_never_cross_max_tokens_or_stop_tokens(target, reference):
     stop = reference[2].token_ids[6]
     first_stop = reference[2].token_ids.index(stop)
-    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=4) as llm:
-        llm.engine.proposer = scripted(reference, 0.0)
+    with LLM(str(target), dtype="float32", num_speculative_tokens=4, proposer=scripted(reference, 0.0)) as llm:
         outs = llm.generate(_prompts(), SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop]))
     assert outs[2].token_ids == reference[2].token_ids[: min(first_stop + 1, 10)]
     assert all(len(o.token_ids) <= 10 for o in outs)
@@ -233,9 +231,8 @@ def test_sampled_speculation_matches_the_target_joint_distribution(target, draft
             options[t1] = sorted(second.logprobs[0], key=lambda t: second.logprobs[0][t].rank)[:3]
             p2 = torch.softmax(torch.tensor([second.logprobs[0][t].logprob for t in options[t1]]), -1)
             joint.update({(t1, t2): p * q for t2, q in zip(options[t1], p2.tolist(), strict=True)})
-    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=2) as llm:
-        if proposer == "skewed":
-            llm.engine.proposer = SkewedProposer(options, vocab=160)
+    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=2,
+             proposer=SkewedProposer(options, vocab=160) if proposer == "skewed" else None) as llm:
         outs = llm.generate([prompt] * len(params), params)
         stats = llm.engine.spec_stats
         assert stats.num_verify_steps == len(params) and 0 < stats.num_accepted_tokens < len(params)

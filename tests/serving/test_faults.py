@@ -26,7 +26,7 @@ from warpspec.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 from warpspec.sampling_params import SamplingParams
-from warpspec.serving.replica_engine import ReplicaDrainingError, ReplicaEngine
+from warpspec.serving.replica_frontend import ReplicaDrainingError, ReplicaFrontend
 from warpspec.serving.wire_errors import wire_error
 
 pytestmark = pytest.mark.slow
@@ -194,10 +194,10 @@ def test_scale_down_finishes_short_requests_cuts_off_long_ones_and_releases_ever
 
 
 def test_drain_finishes_in_flight_work_then_cuts_off_the_rest_and_refuses_new(serving_checkpoint):
-    """ReplicaEngine.drain in-process: what a replica's __del__ does with requests still in flight."""
+    """ReplicaFrontend.drain in-process: what a replica's __del__ does with requests still in flight."""
 
     async def main():
-        engine = ReplicaEngine(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=512,
+        engine = ReplicaFrontend(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=512,
                                                      num_kv_blocks=64), "tiny")
 
         async def run(max_tokens: int):
@@ -238,7 +238,7 @@ def test_failed_step_rebuilds_the_engine_in_process(serving_checkpoint):
     from warpspec.errors import EngineError, WorkerDiedError
 
     async def main():
-        engine = ReplicaEngine(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=512,
+        engine = ReplicaFrontend(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=512,
                                                      num_kv_blocks=64), "tiny")
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -21,7 +21,7 @@ from warpspec.engine import Prompt
 from warpspec.errors import EngineError, EngineOverloadedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.serving.metrics import EngineStats, ServingMetrics
+from warpspec.serving.metrics import ReplicaStats, ServingMetrics
 
 logger = logging.getLogger("warpspec.serving")
 
@@ -50,7 +50,7 @@ class ModelDescription:
     dtype: str
 
 
-class ReplicaEngine:
+class ReplicaFrontend:
     def __init__(self, llm: AsyncLLM, model_name: str | None = None, metrics: ServingMetrics | None = None,
                  stream_interval: int = 1, rebuild_on_failure: bool = True):
         """stream_interval: streamed outputs after the first carry at least this many new tokens (the
@@ -65,9 +65,9 @@ class ReplicaEngine:
         config = llm.config
         self.description = ModelDescription(
             name=model_name or Path(config.model).name, path=config.model,
-            max_model_len=llm.engine.max_model_len, num_workers=config.parallel.num_workers,
+            max_model_len=llm.max_model_len, num_workers=config.parallel.num_workers,
             draft=config.speculative.draft, num_speculative_tokens=config.speculative.num_speculative_tokens,
-            vocab_size=llm.engine.model_config.vocab_size, dtype=config.dtype)
+            vocab_size=llm.vocab_size, dtype=config.dtype)
         self.metrics = metrics
         # Set when a step failed for reasons other than load (a dead worker): the replica cannot serve
         # and its health check fails, so Serve replaces it.
@@ -125,15 +125,8 @@ class ReplicaEngine:
         ids = self.tokenizer.encode(text)
         return ids, [self.tokenizer.token_text(t) for t in ids]
 
-    def stats(self) -> EngineStats:
-        engine = self.llm.engine
-        blocks = engine.block_manager
-        return EngineStats(
-            num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
-            num_running=len(engine.scheduler.running), num_waiting=engine.num_waiting + len(self.llm.pending_adds),
-            num_in_flight=len(self.llm.streams), prefix_cache_hit_rate=blocks.stats.hit_rate,
-            acceptance_length=engine.spec_stats.acceptance_length, num_aborted=self.num_aborted,
-            is_healthy=self.failure is None)
+    def stats(self) -> ReplicaStats:
+        return ReplicaStats.of(self.llm.stats(), self.llm.num_in_flight, self.num_aborted, self.failure is None)
 
     def check_health(self) -> None:
         """Raises when the replica cannot serve (Serve's health check, the gRPC health service)."""
@@ -146,11 +139,7 @@ class ReplicaEngine:
     async def processes(self) -> ReplicaProcesses:
         import psutil
 
-        executor = self.llm.engine.executor
-        coordinator_pid, worker_pids = None, []
-        if hasattr(executor, "coordinator") and self.failure is None:  # two ray.get calls: off the event loop
-            coordinator_pid, worker_pids = await asyncio.to_thread(
-                lambda: (executor.coordinator_pid(), executor.worker_pids()))
+        coordinator_pid, worker_pids = (None, []) if self.failure is not None else await self.llm.process_ids()
         return ReplicaProcesses(os.getpid(), psutil.Process().memory_info().rss, coordinator_pid, worker_pids,
                                 self.num_rebuilds, self.failure)
 
@@ -190,9 +179,9 @@ class ReplicaEngine:
         with ReplicaDrainingError (UNAVAILABLE / 503). Returns how many were cut off."""
         self.is_draining = True
         deadline = time.monotonic() + timeout_s
-        while self.llm.streams and time.monotonic() < deadline:
+        while self.llm.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        num_cut = len(self.llm.streams)
+        num_cut = self.llm.num_in_flight
         if num_cut:
             self.llm.fail_all(ReplicaDrainingError(f"this replica shut down before the request finished "
                                                    f"(drain timeout {timeout_s:g} s)"))

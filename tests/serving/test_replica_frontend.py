@@ -1,4 +1,4 @@
-"""ReplicaEngine and GenerationService in-process (no Ray, no network): the paths a network test
+"""ReplicaFrontend and GenerationService in-process (no Ray, no network): the paths a network test
 cannot trigger on demand - a full queue, a worker dying mid-request - and their wire statuses."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from warpspec.async_llm import AsyncLLM
 from warpspec.errors import EngineError, EngineOverloadedError, WorkerDiedError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.grpc_service import GenerationService
-from warpspec.serving.replica_engine import ReplicaEngine
+from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.wire_errors import wire_error
 
 
-def _engine(checkpoint, **options) -> ReplicaEngine:
+def _engine(checkpoint, **options) -> ReplicaFrontend:
     llm = AsyncLLM.from_options(str(checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=32, **options)
-    return ReplicaEngine(llm, "tiny")
+    return ReplicaFrontend(llm, "tiny")
 
 
 def _request(max_tokens=4) -> pb.GenerateRequest:
@@ -82,7 +82,7 @@ def test_stream_interval_bunches_deltas_without_changing_them(serving_checkpoint
     async def main():
         from warpspec.sampling_params import SamplingParams
 
-        engine = ReplicaEngine(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=128,
+        engine = ReplicaFrontend(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=128,
                                                      num_kv_blocks=32), "tiny", stream_interval=3)
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         outs = [out async for out in engine.stream("def main():", params)]

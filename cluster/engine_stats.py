@@ -1,0 +1,17 @@
+"""EngineStats: what the engine tells the outside about its load, in one snapshot. The serving layer
+builds its replica stats, gauges and admin answers from it, never from the engine's scheduler or
+block manager, so the engine may live in another process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_kv_blocks: int
+    num_free_kv_blocks: int  # includes blocks held only by the prefix cache (free to evict)
+    num_running: int
+    num_waiting: int  # in the scheduler's queue
+    prefix_cache_hit_rate: float  # over all prompt tokens admitted so far
+    acceptance_length: float  # engine-wide mean; 0 without speculation
