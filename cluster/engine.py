@@ -2,7 +2,7 @@
 
     sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
     out = executor.execute(step)      # the model, in-process or across the Ray workers
-    tokens = sample(...) / verify()   # one token, or the accepted drafts plus one, per sequence
+    tokens = sample(...) / verify_batch()  # one token, or the accepted drafts plus one, per sequence
     append, detokenize, check stops   # finished requests leave and free their blocks at once
     proposer.propose(...)             # when speculating: the next step's draft tokens
 
@@ -23,7 +23,7 @@ from warpspec.errors import EngineError, StepFailedError
 from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import DraftRequest, Proposer
-from warpspec.rejection_sampler import verify
+from warpspec.rejection_sampler import verify_batch
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -235,13 +235,15 @@ class LLMEngine:
             for i, row, token in zip(plain, rows, tokens, strict=True):
                 emitted[i] = [token]
                 self._record_logprobs(scheduled[i].seq, logits[row : row + 1], [token])
-        for i, item in enumerate(scheduled):
-            if item.samples and item.draft_token_ids:
-                k = len(item.draft_token_ids)
-                rows = logits[row_starts[i] : row_starts[i] + k + 1]
-                probs = item.seq.draft_probs[:k] if item.seq.draft_probs is not None else None
-                emitted[i] = verify(rows, item.draft_token_ids, probs, item.seq.params, item.seq.generator)
-                self._record_logprobs(item.seq, rows[: len(emitted[i])], emitted[i])
+        verifying = [i for i, item in enumerate(scheduled) if item.samples and item.draft_token_ids]
+        if verifying:
+            seqs = [scheduled[i].seq for i in verifying]
+            verified = verify_batch(logits, [row_starts[i] for i in verifying],
+                                    [scheduled[i].draft_token_ids for i in verifying], [s.draft_probs for s in seqs],
+                                    [s.params for s in seqs], [s.generator for s in seqs])
+            for i, seq, tokens in zip(verifying, seqs, verified, strict=True):
+                emitted[i] = tokens
+                self._record_logprobs(seq, logits[row_starts[i] : row_starts[i] + len(tokens)], tokens)
         return emitted
 
     def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
