@@ -1,16 +1,23 @@
-"""`warpspec bench dispatch`: what it costs to drive one step across N worker actors.
+"""`warpspec bench dispatch`: what it costs to drive one step of a replica on Ray workers.
 
-Control overhead per step = the coordinator's wall time for a step minus the slowest worker's own
-compute time in it: what Ray adds (serialising the step, waking the workers, collecting replies).
-Measured for Ray Compiled Graph dispatch and for plain actor calls, in the same run, on decode steps
-of a small random checkpoint. Also: the engine's hop to the coordinator actor, and the cost of
-encoding + decoding the msgpack step messages.
+The engine core runs in the coordinator actor; the replica makes one call per step (core_step). Per
+decode step, from the coordinator's own clock and the replica's:
+- dispatch overhead: the coordinator's wall time for the workers' step minus the slowest worker's
+  own compute (what Ray adds: serialising the step, waking the workers, collecting replies);
+- host overhead: the whole core step minus the slowest worker's compute (scheduling, dispatch,
+  sampling or verification, the draft, bookkeeping): everything the workers do not do;
+- the replica <-> coordinator hop: the replica's round trip minus the core step;
+- bytes per step across each boundary: replica -> core and back (pickled, as Ray sends them),
+  core -> each worker (the msgpack step), rank 0 -> core (logits, hidden states when drafting).
+Measured for Ray Compiled Graph dispatch and for plain actor calls on a small random checkpoint, and
+with the bundled EAGLE-3 pair, in one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import statistics
 import time
 from pathlib import Path
@@ -29,40 +36,46 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def measure_mode(model: Path, dispatch: str, num_workers: int, batch: int, new_tokens: int, run_dir: str) -> dict:
+def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch: int, new_tokens: int,
+                 run_dir: str, draft: Path | None = None) -> dict:
     with LLM(str(model), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch,
-             run_dir=run_dir) as llm:
+             run_dir=run_dir, draft=None if draft is None else str(draft), compile_draft=False) as llm:
         executor = llm.engine.executor
-        hop_s: list[float] = []
-        execute = executor.execute
+        calls: list[tuple[float, int, int]] = []  # (round trip s, bytes in, bytes out) per core_step
+        core_step = executor.core_step
 
-        def timed_execute(step):
+        def timed_core_step(adds, aborts):
             start = time.perf_counter()
-            out = execute(step)
-            hop_s.append(time.perf_counter() - start)
-            return out
+            reply = core_step(adds, aborts)
+            calls.append((time.perf_counter() - start, len(pickle.dumps((adds, aborts))), len(pickle.dumps(reply))))
+            return reply
 
-        executor.execute = timed_execute
+        executor.core_step = timed_core_step
         executor.record_timings()
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         prompts = [[1, *range(10 + i, 26 + i)] for i in range(batch)]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
         executor.take_timings()
-        hop_s.clear()
+        calls.clear()
         llm.generate(prompts, params)
         timings = executor.take_timings()[1:]  # drop the prefill step: decode steps only
-        hops = hop_s[1:]
-    overhead = [t.overhead_s * 1e3 for t in timings]
+        calls = [c for c in calls[1:] if c[0] > 0][: len(timings)]
+    host = [(t.core_s - t.slowest_compute_s) * 1e3 for t in timings]
     return {
+        "label": label,
         "dispatch": dispatch,
         "num_workers": num_workers,
         "steps": len(timings),
         "step_wall_ms_p50": statistics.median(t.wall_s * 1e3 for t in timings),
         "slowest_compute_ms_p50": statistics.median(t.slowest_compute_s * 1e3 for t in timings),
-        "overhead_ms_p50": statistics.median(overhead),
-        "overhead_ms_p90": _percentile(overhead, 0.9),
-        # engine -> coordinator actor call, less the coordinator's own wall time for the step
-        "engine_hop_ms_p50": statistics.median((h - t.wall_s) * 1e3 for h, t in zip(hops, timings, strict=True)),
+        "dispatch_overhead_ms_p50": statistics.median((t.wall_s - t.slowest_compute_s) * 1e3 for t in timings),
+        "host_overhead_ms_p50": statistics.median(host),
+        "host_overhead_ms_p90": _percentile(host, 0.9),
+        "hop_ms_p50": statistics.median((c[0] - t.core_s) * 1e3 for c, t in zip(calls, timings, strict=False)),
+        "replica_to_core_bytes_p50": statistics.median(c[1] for c in calls),
+        "core_to_replica_bytes_p50": statistics.median(c[2] for c in calls),
+        "core_to_worker_bytes_p50": statistics.median(t.step_bytes for t in timings),
+        "rank0_to_core_bytes_p50": statistics.median(t.output_bytes for t in timings),
     }
 
 
@@ -82,17 +95,18 @@ def measure_messages(batch: int, vocab: int, repeats: int = 2000) -> dict:
 
 def format_table(rows: list[dict], messages: dict) -> str:
     lines = [
-        "| dispatch | workers | decode steps | step wall p50 (ms) | slowest worker compute p50 (ms) "
-        "| control overhead p50 (ms) | overhead p90 (ms) | engine->coordinator hop p50 (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| replica | dispatch | workers | decode steps | step wall p50 (ms) | slowest worker compute p50 (ms) "
+        "| dispatch overhead p50 (ms) | host overhead p50 / p90 (ms) | replica<->core hop p50 (ms) "
+        "| bytes replica->core / core->replica | bytes core->worker / rank 0->core |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['dispatch']} | {r['num_workers']} | {r['steps']} | {r['step_wall_ms_p50']:.2f} "
-                     f"| {r['slowest_compute_ms_p50']:.2f} | {r['overhead_ms_p50']:.3f} | {r['overhead_ms_p90']:.3f} "
-                     f"| {r['engine_hop_ms_p50']:.3f} |")
-    if len(rows) == 2:
-        lines.append(f"\ncompiled graph overhead / actor-call overhead: "
-                     f"{rows[0]['overhead_ms_p50'] / rows[1]['overhead_ms_p50']:.2f}x")
+        lines.append(f"| {r['label']} | {r['dispatch']} | {r['num_workers']} | {r['steps']} "
+                     f"| {r['step_wall_ms_p50']:.2f} | {r['slowest_compute_ms_p50']:.2f} "
+                     f"| {r['dispatch_overhead_ms_p50']:.3f} "
+                     f"| {r['host_overhead_ms_p50']:.3f} / {r['host_overhead_ms_p90']:.3f} | {r['hop_ms_p50']:.3f} "
+                     f"| {r['replica_to_core_bytes_p50']:.0f} / {r['core_to_replica_bytes_p50']:.0f} "
+                     f"| {r['core_to_worker_bytes_p50']:.0f} / {r['rank0_to_core_bytes_p50']:.0f} |")
     lines.append(f"msgpack encode+decode per step: StepInput ({messages['batch']} decoding sequences) "
                  f"{messages['step_input_us']:.0f} us, StepOutput ({messages['batch']} x {messages['vocab']} logits) "
                  f"{messages['step_output_us']:.0f} us")
@@ -105,12 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--no-draft", action="store_true", help="skip the bundled EAGLE-3 pair")
     args = parser.parse_args(argv)
     model = Path(args.run_dir, "bench", "dispatch-model")
     if not (model / "config.json").exists():
         create_random_checkpoint(model, "tiny")
-    rows = [measure_mode(model, mode, args.num_workers, args.batch, args.new_tokens, args.run_dir)
+    rows = [measure_mode("tiny", model, mode, args.num_workers, args.batch, args.new_tokens, args.run_dir)
             for mode in ("compiled", "actor")]
+    if not args.no_draft:
+        from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET
+
+        rows.append(measure_mode("bundled + EAGLE-3", BUNDLED_TARGET, "compiled", args.num_workers, args.batch,
+                                 args.new_tokens, args.run_dir, draft=BUNDLED_DRAFT))
     messages = measure_messages(args.batch, vocab=512)
     table = format_table(rows, messages)
     print(table)

@@ -9,6 +9,8 @@ from ray.util.placement_group import PlacementGroup
 
 from warpspec.config import EngineConfig
 from warpspec.coordinator import Coordinator, ReplicaInfo
+from warpspec.core_messages import StepReply
+from warpspec.requests import NewRequest
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
 
 
@@ -36,7 +38,8 @@ class ShardWorkerActor:
         return self.worker.num_collectives()
 
 
-# The coordinator mostly waits on its workers: it takes no CPU slot of its own.
+# The coordinator mostly waits on its workers (it samples and drafts between their steps): it takes
+# no CPU slot of its own.
 @ray.remote(num_cpus=0)
 class CoordinatorActor:
     def __init__(self):
@@ -46,11 +49,8 @@ class CoordinatorActor:
         self.coordinator = Coordinator(config, placement_group)
         return self.coordinator.info()
 
-    def execute(self, step_bytes: bytes) -> bytes:
-        return self.coordinator.execute(step_bytes)
-
-    def propose(self, request_bytes: bytes) -> bytes:
-        return self.coordinator.propose(request_bytes)
+    def core_step(self, adds: list[NewRequest], aborts: list[str]) -> StepReply:
+        return self.coordinator.core_step(adds, aborts)
 
     def record_timings(self, enabled: bool) -> None:
         self.coordinator.record_timings(enabled)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from warpspec.config import EngineConfig, engine_config
-from warpspec.engine import LLMEngine, Prompt
+from warpspec.engine import Prompt, make_engine
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
 from warpspec.outputs import RequestOutput
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.engine = LLMEngine(config)
+        self.engine = make_engine(config)
         self.streams: dict[str, asyncio.Queue] = {}
         self.pending_adds: list[Sequence] = []
         self.pending_aborts: list[str] = []
@@ -136,7 +136,7 @@ class AsyncLLM:
             self.fail_all(EngineError("the engine failed and is being rebuilt; retry shortly"))
             old, self.pending_adds = self.engine, []
             await asyncio.to_thread(old.shutdown)
-            self.engine = await asyncio.to_thread(LLMEngine, self.config)
+            self.engine = await asyncio.to_thread(make_engine, self.config)
         finally:
             self.is_rebuilding = False
 

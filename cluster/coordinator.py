@@ -1,5 +1,13 @@
 """The coordinator of one model replica: places N shard workers, joins them into a collective group,
-and drives every step across all of them.
+and runs the engine core (scheduler, KV blocks, sampling, verification, the EAGLE-3 draft) beside
+them. Rank 0's logits and hidden states stop here; the replica sends the requests added and aborted
+and gets back each request's new tokens (core_messages.py), one call per step.
+
+    replica (AsyncLLM / LLM)        coordinator (LLMEngine)              workers
+    core_step(adds, aborts) ---->   schedule, execute(step) ----------> target forward
+                                    sample / verify_batch  <----------- rank 0: logits, hidden states
+                                    draft proposes the next k
+                            <----   token ids, text, logprobs
 
 Plain class; `actors.CoordinatorActor` hosts it in a Ray actor. It creates its workers itself, so a
 replica is one coordinator handle however many GPUs it spans.
@@ -19,12 +27,15 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config import EngineConfig
-from warpspec.coordinator_proposer import DraftServer, load_eagle3_proposer
+from warpspec.core_messages import RequestDelta, StepReply
+from warpspec.engine import LLMEngine
 from warpspec.errors import PlacementError, WorkerDiedError
+from warpspec.requests import NewRequest
 from warpspec.workers.comm import CollectiveError, CommInit
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
+from warpspec.workers.step import StepInput
 from warpspec.workers.worker import WorkerConfig, WorkerInfo
 
 
@@ -44,6 +55,9 @@ MAX_TIMINGS = 100_000  # steps of DispatchTiming kept while recording: ~10 MB at
 class DispatchTiming:
     wall_s: float  # coordinator: from sending the step to holding every worker's reply
     slowest_compute_s: float  # the longest any worker spent inside execute
+    step_bytes: int = 0  # the step message sent to each worker
+    output_bytes: int = 0  # rank 0's reply (logits, and hidden states when drafting)
+    core_s: float = 0.0  # the whole core step around it: scheduling, dispatch, sampling, the draft
 
     @property
     def overhead_s(self) -> float:
@@ -62,18 +76,19 @@ class Coordinator:
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, self.parallel.num_workers)
         self.placement_group = placement_group
-        self.workers, self.graph, self.drafter = [], None, None
-        try:
-            self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
-            self.infos = self._start_workers()
-            self.graph = self._compile_step_graph() if self.parallel.dispatch == "compiled" else None
-            self.drafter = self._load_draft() if config.speculative.enabled else None
-        except BaseException:
-            self.shutdown()  # a half-built replica must not keep its actors
-            raise
+        self.workers, self.graph = [], None
         # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
         self.timings: deque[DispatchTiming] | None = None
         self.is_broken = False
+        try:
+            self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
+            self.infos = self._start_workers()
+            self.num_blocks = min(i.num_blocks for i in self.infos)
+            self.graph = self._compile_step_graph() if self.parallel.dispatch == "compiled" else None
+            self.engine = LLMEngine(config, executor=self)  # loads the draft too, when config names one
+        except BaseException:
+            self.shutdown()  # a half-built replica must not keep its actors
+            raise
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -103,10 +118,6 @@ class Coordinator:
         return unwrap_ray_errors(lambda: ray.get([w.start.remote(c) for w, c in zip(self.workers, configs,
                                                                                      strict=True)]))
 
-    def _load_draft(self) -> DraftServer:
-        num_blocks = min(i.num_blocks for i in self.infos)
-        return DraftServer(load_eagle3_proposer(self.config, self.model_config, num_blocks))
-
     def _compile_step_graph(self):
         from ray.dag import InputNode, MultiOutputNode
 
@@ -117,13 +128,29 @@ class Coordinator:
     # ---- the step -------------------------------------------------------------------------------
 
     def info(self) -> ReplicaInfo:
-        return ReplicaInfo(self.parallel.num_workers, min(i.num_blocks for i in self.infos), self.infos,
-                           self.parallel.dispatch, self.drafter.proposer.aux_layer_ids if self.drafter else None)
+        proposer = self.engine.proposer
+        return ReplicaInfo(self.parallel.num_workers, self.num_blocks, self.infos, self.parallel.dispatch,
+                           tuple(proposer.aux_layer_ids) if proposer is not None else None)
 
-    def execute(self, step_bytes: bytes) -> bytes:
-        """Encoded StepInput -> rank 0's encoded StepOutput."""
+    def core_step(self, adds: list[NewRequest], aborts: list[str]) -> StepReply:
+        """Admit adds, drop aborts, run one engine step (none when nothing is left to run)."""
+        start, engine = time.perf_counter(), self.engine
+        last_timing = self.timings[-1] if self.timings else None
+        for request in adds:
+            engine.add_sequence(engine.sequence_of(request))
+        for request_id in aborts:
+            engine.abort(request_id)
+        outputs = engine.step() if engine.has_unfinished() else []
+        reply = StepReply([RequestDelta.of(out) for out in outputs], engine.stats(), engine.spec_stats)
+        if self.timings and self.timings[-1] is not last_timing:  # this call ran a step on the workers
+            self.timings[-1].core_s = time.perf_counter() - start
+        return reply
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """The engine's executor: one step on every worker; rank 0's logits and hidden states, here."""
         if self.is_broken:
             raise WorkerDiedError("a worker of this replica died earlier; the replica must be rebuilt")
+        step_bytes = step.to_bytes()
         start = time.perf_counter()
         try:
             if self.graph is not None:
@@ -138,18 +165,9 @@ class Coordinator:
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
         if self.timings is not None:
-            self.timings.append(DispatchTiming(time.perf_counter() - start, max(compute_s for compute_s, _ in replies)))
-        if self.drafter is None:
-            return replies[0][1]
-        # The hidden states stay here for the draft; the engine gets the logits only.
-        output = StepOutput.from_bytes(replies[0][1])
-        self.drafter.keep(output.aux_hidden)
-        output.aux_hidden = []
-        return output.to_bytes()
-
-    def propose(self, request_bytes: bytes) -> bytes:
-        """Encoded draft requests for the step just run -> encoded drafts (coordinator_proposer.py)."""
-        return self.drafter.handle(request_bytes)
+            self.timings.append(DispatchTiming(time.perf_counter() - start, max(compute_s for compute_s, _ in replies),
+                                               len(step_bytes), len(replies[0][1])))
+        return StepOutput.from_bytes(replies[0][1])
 
     def record_timings(self, enabled: bool) -> None:
         """Start (or stop) keeping each step's DispatchTiming, the last MAX_TIMINGS of them."""

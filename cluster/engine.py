@@ -1,12 +1,14 @@
 """The engine loop, as one step: schedule, run the model, sample, append, finish.
 
     sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
-    out = executor.execute(step)      # the model, in-process or across the Ray workers
+    out = executor.execute(step)      # the model: in-process, or the coordinator's workers
     tokens = sample(...) / verify_batch()  # one token, or the accepted drafts plus one, per sequence
     append, detokenize, check stops   # finished requests leave and free their blocks at once
     proposer.propose(...)             # when speculating: the next step's draft tokens
 
 Both front ends drive it: LLM (blocking, a batch at a time) and AsyncLLM (streaming, many users).
+With one local worker it runs in their process; with Ray workers it runs inside the replica's
+coordinator actor (coordinator.py), and they drive it through remote_engine.RemoteEngine.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import torch
 
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
-from warpspec.coordinator_proposer import CoordinatorProposer, load_eagle3_proposer
+from warpspec.draft_loader import load_eagle3_proposer
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
 from warpspec.executor import make_executor
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import DraftRequest, Proposer
 from warpspec.rejection_sampler import verify_batch
+from warpspec.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -32,25 +35,26 @@ from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
 from warpspec.workers.step import SequenceStep, StepInput
 
-Prompt = str | list[int]
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, proposer: Proposer | None = None):
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None, executor=None):
         """proposer: drafts for speculative decoding; None loads the EAGLE-3 draft that config names
         (and none without one). A given proposer speculates config.speculative.num_speculative_tokens
-        tokens whatever the config's draft."""
+        tokens whatever the config's draft. executor: where steps run (model_config, num_blocks,
+        execute); None makes one in this process. The coordinator passes itself, to drive its workers."""
         self.config = config
-        self.executor = make_executor(config)
+        self.executor = executor if executor is not None else make_executor(config)
         self.model_config = self.executor.model_config
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.block_size = config.cache.block_size
         self.block_manager = BlockManager(self.executor.num_blocks, self.block_size,
                                           config.scheduler.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
-        self.seed_source = torch.Generator().manual_seed(config.seed)
+        self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
+                                          self.max_model_len, self.block_manager.num_blocks, self.block_size,
+                                          config.seed)
         self.requests: dict[str, Sequence] = {}
         self.proposer = proposer if proposer is not None else self._load_proposer()
         self.released: list[str] = []  # finished or aborted since the proposer last heard
@@ -59,56 +63,27 @@ class LLMEngine:
     def _load_proposer(self) -> Proposer | None:
         if not self.config.speculative.enabled:
             return None
+        # In-process the draft shares the target's embedding table; in the coordinator (no runner)
+        # it reads the table from the checkpoint.
         runner = getattr(self.executor, "runner", None)
-        if runner is None:  # Ray workers: the draft runs in the coordinator, beside rank 0's hidden states
-            return CoordinatorProposer(self.executor, self.executor.info.draft_aux_layer_ids)
         return load_eagle3_proposer(self.config, self.model_config, self.executor.num_blocks,
-                                    runner.model.model.embed_tokens.weight)
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
-        return self.config.max_model_len
+                                    None if runner is None else runner.model.model.embed_tokens.weight)
 
     # ---- requests -------------------------------------------------------------------------------
 
     def make_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
         """Validate and tokenize a request without touching the batch."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"{self.config.model} has no tokenizer.json: pass prompts as token ids")
-            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list | tuple):
-            prompt_text, prompt_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            for t in prompt_ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} "
-                                      "leaves no room for output")
-        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        needed = self.block_manager.blocks_needed(longest)
-        if needed > self.block_manager.num_blocks:
-            raise InvalidRequestError(f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
-                                      f"{self.block_manager.num_blocks}; lower max_tokens or grow the KV cache")
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))
+        return self.sequence_of(self.validator.new_request(request_id, prompt, params))
+
+    def sequence_of(self, request: NewRequest) -> Sequence:
+        """The engine's state for a request validated elsewhere (RequestValidator)."""
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
-        seq = Sequence(request_id, prompt_text, prompt_ids, params, torch.Generator().manual_seed(seed), detokenizer,
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                 request.params.skip_special_tokens)
+        params = request.params
+        seq = Sequence(request.request_id, request.prompt, list(request.prompt_token_ids), params,
+                       torch.Generator().manual_seed(request.seed), detokenizer,
                        logprobs=[] if params.logprobs is not None else None)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
@@ -166,7 +141,7 @@ class LLMEngine:
             request_ids = [item.seq.request_id for item in sched.scheduled]
             for request_id in request_ids:
                 self.abort(request_id)
-            raise StepFailedError(request_ids, e) from e
+            raise StepFailedError.caused_by(request_ids, e) from e
 
     def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -366,3 +341,16 @@ class LLMEngine:
                 seq.finish("stop", stop)
                 return True
         return False
+
+
+def make_engine(config: EngineConfig, proposer: Proposer | None = None):
+    """The engine for a config: an LLMEngine in this process, or, with Ray workers, a RemoteEngine
+    that steps the engine core inside the replica's coordinator actor (remote_engine.py)."""
+    if not config.parallel.uses_ray:
+        return LLMEngine(config, proposer)
+    if proposer is not None:
+        raise ValueError("a proposer object runs in this process only: with Ray workers (num_workers > 1 or "
+                         "executor='ray') the engine core and its draft run in the coordinator; pass draft=")
+    from warpspec.remote_engine import RemoteEngine
+
+    return RemoteEngine(config)

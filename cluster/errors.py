@@ -1,5 +1,7 @@
 """Errors the engine raises when its workers cannot do the work (as opposed to bad requests)."""
 
+from __future__ import annotations
+
 
 class EngineError(RuntimeError):
     """The replica could not run a step; in-flight requests fail with this."""
@@ -22,7 +24,14 @@ class StepFailedError(RuntimeError):
     it ran are aborted with this error and the engine goes on serving the others. Not an EngineError,
     because nothing needs rebuilding."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException):
+    def __init__(self, request_ids: list[str], message: str):
+        super().__init__(message)
         self.request_ids = request_ids
+
+    @classmethod
+    def caused_by(cls, request_ids: list[str], cause: BaseException) -> StepFailedError:
         first_line = (str(cause).splitlines() or [""])[0][:200]
-        super().__init__(f"the engine step running this request failed ({type(cause).__name__}: {first_line})")
+        return cls(request_ids, f"the engine step running this request failed ({type(cause).__name__}: {first_line})")
+
+    def __reduce__(self):  # crosses from the coordinator to the replica intact
+        return type(self), (self.request_ids, str(self))

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from warpspec.config import engine_config
-from warpspec.engine import LLMEngine, Prompt
+from warpspec.engine import Prompt, make_engine
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import Proposer
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -29,7 +29,7 @@ class LLM:
         num_workers and the rest of the parallel layout). proposer: a speculative-decoding proposer of
         your own (warpspec.proposer.Proposer) instead of the EAGLE-3 draft that `draft` names."""
         self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
-        self.engine: LLMEngine | None = LLMEngine(self.config, proposer)
+        self.engine = make_engine(self.config, proposer)
         self._next_request = 0
 
     @property
@@ -89,7 +89,7 @@ class LLM:
             self.engine.shutdown()
         self.engine = None
 
-    def _engine(self) -> LLMEngine:
+    def _engine(self):
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         return self.engine

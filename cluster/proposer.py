@@ -1,10 +1,8 @@
 """The proposer interface of speculative decoding: after each target step, bring the proposer up to
 date on the positions the target kept and ask it for the next draft tokens of every decoding sequence.
-EAGLE-3 is one implementation (eagle3_proposer.py); it runs in the engine's process with one worker
-and inside the coordinator actor with Ray workers (coordinator_proposer.py). n-gram or MTP proposers
-fit behind the same method.
-
-The messages carry plain values only (no engine objects), so they cross to the coordinator as they are.
+EAGLE-3 is one implementation (eagle3_proposer.py); it runs beside the engine, wherever the engine
+runs (the caller's process with one worker, the coordinator actor with Ray workers; draft_loader.py
+loads it for both). n-gram or MTP proposers fit behind the same methods.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ class DraftRequest:
     block_table: list[int]
     temperature: float  # 0: greedy drafts
     seed: int  # seeds the request's draft sampling where the proposer keeps its own generators
-    generator: torch.Generator | None = field(default=None, repr=False)  # the engine's, in-process only
+    generator: torch.Generator | None = field(default=None, repr=False)  # the request's, from the engine
 
     @property
     def num_positions(self) -> int:

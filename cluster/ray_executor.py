@@ -1,6 +1,6 @@
-"""The executor of a replica on Ray: its coordinator actor, the N workers that actor drives, and
-their placement group. Same surface as executor.LocalExecutor (model config, KV block count,
-execute), plus what a replica on Ray adds: the coordinator's draft, step timings, process ids."""
+"""The executor of a replica on Ray: its coordinator actor (which runs the engine core), the N workers
+that actor drives, and their placement group. RemoteEngine steps the core through core_step; the
+rest is what operators and benchmarks ask of a replica: step timings, process ids."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from ray.util.placement_group import remove_placement_group
 
 from warpspec.config import EngineConfig
 from warpspec.coordinator import DispatchTiming, coordinator_options, place_workers, unwrap_ray_errors
+from warpspec.core_messages import StepReply
 from warpspec.errors import WorkerDiedError
+from warpspec.requests import NewRequest
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
-from warpspec.workers.runner import StepOutput
-from warpspec.workers.step import StepInput
 
 
 class RayExecutor:
@@ -39,17 +39,10 @@ class RayExecutor:
             raise
         self.num_blocks = self.info.num_blocks
 
-    def execute(self, step: StepInput) -> StepOutput:
+    def core_step(self, adds: list[NewRequest], aborts: list[str]) -> StepReply:
+        """One step of the engine core in the coordinator (coordinator.py)."""
         try:
-            reply = unwrap_ray_errors(lambda: ray.get(self.coordinator.execute.remote(step.to_bytes())))
-        except RayActorError as e:
-            raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
-        return StepOutput.from_bytes(reply)
-
-    def propose(self, request_bytes: bytes) -> bytes:
-        """The coordinator's draft (coordinator_proposer.py)."""
-        try:
-            return unwrap_ray_errors(lambda: ray.get(self.coordinator.propose.remote(request_bytes)))
+            return unwrap_ray_errors(lambda: ray.get(self.coordinator.core_step.remote(adds, aborts)))
         except RayActorError as e:
             raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
 

@@ -190,3 +190,13 @@ def test_no_blocking_ray_call_runs_on_the_event_loop(ray_cluster, checkpoint, mo
     assert outputs[-1].finished and len(outputs[-1].token_ids) == 16
     assert processes.coordinator_pid is not None and len(processes.worker_pids) == 1
     assert not on_loop, on_loop[0]
+
+
+def test_step_failed_error_crosses_processes_intact():
+    """With Ray workers it is raised in the coordinator and re-raised in the replica (through pickle)."""
+    import pickle
+
+    error = StepFailedError.caused_by(["a", "b"], ValueError("bad tensor\nsecond line"))
+    again = pickle.loads(pickle.dumps(error))
+    assert again.request_ids == ["a", "b"] and str(again) == str(error)
+    assert str(error) == "the engine step running this request failed (ValueError: bad tensor)"

@@ -1,4 +1,5 @@
-"""The dispatch benchmark runs end to end and writes its table (figures are not asserted)."""
+"""The dispatch benchmark runs end to end and writes its table (figures are not asserted, only that
+each was measured and that what crosses to the replica is small)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ from warpspec.benchmarks import dispatch
 
 
 @pytest.mark.slow
-def test_bench_dispatch_prints_both_modes(ray_cluster, tmp_path, capsys):
+def test_bench_dispatch_prints_every_mode(ray_cluster, tmp_path, capsys):
     assert dispatch.main(["--batch", "2", "--new-tokens", "6", "--run-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "| compiled | 2 |" in printed and "| actor | 2 |" in printed
+    assert "| tiny | compiled | 2 |" in printed and "| tiny | actor | 2 |" in printed
+    assert "| bundled + EAGLE-3 | compiled | 2 |" in printed
     rows = json.loads((tmp_path / "bench" / "dispatch.json").read_text())["rows"]
-    assert [r["dispatch"] for r in rows] == ["compiled", "actor"]
-    assert all(r["steps"] == 5 and r["slowest_compute_ms_p50"] > 0 for r in rows)
+    assert [r["dispatch"] for r in rows] == ["compiled", "actor", "compiled"]
+    assert all(r["steps"] >= 1 and r["slowest_compute_ms_p50"] > 0 and r["host_overhead_ms_p50"] > 0 for r in rows)
+    tiny = rows[0]
+    # Rank 0 sends its logits (2 x 512 float32) to the core; the replica gets token ids, never logits.
+    assert tiny["rank0_to_core_bytes_p50"] > 2 * 512 * 4 > 2 * tiny["core_to_replica_bytes_p50"]

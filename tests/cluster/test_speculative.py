@@ -11,9 +11,9 @@ from eagle3_checkpoints import make_eagle3_checkpoint
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.coordinator_proposer import CoordinatorProposer
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.rejection_sampler import verify
+from warpspec.remote_engine import RemoteEngine
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.model_config import ModelConfig
@@ -165,18 +165,20 @@ def test_mismatched_drafts_are_refused(target, tmp_path, kwargs, message):
 
 
 def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
-    """The draft runs in the coordinator actor, on the hidden states rank 0 returns through the compiled
-    graph, with the target's embedding table read from the checkpoint (workers hold only shards)."""
+    """The engine core and the draft run in the coordinator actor, on the hidden states rank 0 returns
+    through the compiled graph, with the target's embedding table read from the checkpoint (workers
+    hold only shards); the replica gets token ids back."""
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_workers=2) as llm:
-        assert isinstance(llm.engine.proposer, CoordinatorProposer)
+        assert isinstance(llm.engine, RemoteEngine) and llm.engine.executor.info.draft_aux_layer_ids
         outs = llm.generate(_prompts(), GREEDY)
         assert llm.engine.spec_stats.num_verify_steps > 0
         # A seeded sampled request is reproducible whatever else is in its batch, with the drafts
         # sampled in the coordinator.
         alone = llm.generate([_prompts()[1]], sampled)[0]
         batched = llm.generate(_prompts(), [GREEDY] + [sampled] + [GREEDY] * 3)[1]
-        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        stats = llm.engine.stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 12
 

@@ -1,0 +1,47 @@
+"""Loading the EAGLE-3 draft as a proposer, wherever the engine runs: in the replica's process
+beside a one-rank target (sharing its embedding table), or inside the coordinator actor beside rank
+0's hidden states (reading the table from the checkpoint)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from warpspec.config import EngineConfig
+from warpspec.eagle3_proposer import Eagle3Proposer
+from warpspec.workers.eagle3 import load_eagle3
+from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
+from warpspec.workers.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
+                         embed_tokens: torch.Tensor | None = None) -> Eagle3Proposer:
+    """The draft with its own KV cache of num_blocks blocks (indexed by the target's block tables).
+    It embeds with the target's table: pass it when the target is in this process, else it is read
+    from the checkpoint."""
+    spec = config.speculative
+    dtype = resolve_dtype(config.dtype, model_config)
+    if embed_tokens is None:
+        embed_tokens = read_checkpoint_tensor(config.model, "model.embed_tokens.weight", model_config).to(dtype)
+    draft = load_eagle3(spec.draft, model_config, embed_tokens, dtype, spec.aux_layer_offset)
+    if spec.compile_draft:
+        # Compiled kernels are cached here, so a restart does not pay the compile again.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.run_dir, "inductor").resolve()))
+    return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
+                          compile=spec.compile_draft)
+
+
+def draft_device(target_device: str) -> torch.device:
+    """The draft runs on the target's device when this process can see it: in the engine's process
+    beside a one-rank target, or in a coordinator that Ray gave a GPU. A coordinator without one
+    runs the draft on its CPU (correct, and slow for a large draft), and says so."""
+    device = torch.device(target_device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        logger.warning("the EAGLE-3 draft runs on the CPU: this process sees no GPU (target on %s)", target_device)
+        return torch.device("cpu")
+    return device

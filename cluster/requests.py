@@ -1,0 +1,73 @@
+"""A request as it enters the engine: validated and tokenized where it arrives (the replica), then
+sent to the engine core as a NewRequest, a plain value that crosses processes as it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    prompt: str | None  # the text, when the prompt came as text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's own, or one drawn from the engine's seed
+
+
+class RequestValidator:
+    """Refuses what the engine could never run, with a message naming the field and the limit, and
+    tokenizes the rest. Runs wherever requests arrive, so a bad one never reaches the engine core."""
+
+    def __init__(self, tokenizer: Tokenizer | None, model: str, vocab_size: int, max_model_len: int,
+                 num_kv_blocks: int, block_size: int, seed: int):
+        self.tokenizer, self.model = tokenizer, model
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        self.seed_source = torch.Generator().manual_seed(seed)
+
+    def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{self.model} has no tokenizer.json: pass prompts as token ids")
+            prompt_text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            prompt_text, prompt_ids = None, list(prompt)
+            for t in prompt_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise InvalidRequestError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} "
+                                      "leaves no room for output")
+        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        needed = -(-longest // self.block_size)
+        if needed > self.num_kv_blocks:
+            raise InvalidRequestError(f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
+                                      f"{self.num_kv_blocks}; lower max_tokens or grow the KV cache")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))
+        return NewRequest(request_id, prompt_text, prompt_ids, params, seed)
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -> int:
+    """The engine's max_model_len: the model's limit unless a smaller one is asked for."""
+    if requested is None:
+        return max_position_embeddings
+    if requested > max_position_embeddings:
+        raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings "
+                         f"{max_position_embeddings}")
+    return requested
