@@ -84,7 +84,7 @@ class LLMEngine:
         params = request.params
         seq = Sequence(request.request_id, request.prompt, list(request.prompt_token_ids), params,
                        torch.Generator().manual_seed(request.seed), detokenizer,
-                       logprobs=[] if params.logprobs is not None else None)
+                       logprobs=[] if params.logprobs is not None else None, arrival_time=request.arrival_here())
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
         return seq

@@ -10,6 +10,7 @@ here, so a bad one never reaches the core; OutputAssembler rebuilds full outputs
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from warpspec.config import EngineConfig
 from warpspec.core_messages import RequestDelta
@@ -94,7 +95,9 @@ class RemoteEngine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        adds, aborts = self.pending_adds, self.pending_aborts
+        now = time.perf_counter()  # queue time and TTFT count from the arrival here
+        adds = [dataclasses.replace(r, waited_s=now - r.arrival_time) for r in self.pending_adds]
+        aborts = self.pending_aborts
         self.pending_adds, self.pending_aborts = [], []
         try:
             reply = self.executor.core_step(adds, aborts)

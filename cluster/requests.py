@@ -3,7 +3,8 @@ sent to the engine core as a NewRequest, a plain value that crosses processes as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,14 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # the request's own, or one drawn from the engine's seed
+    # When it arrived, by this process's perf_counter. Another process cannot read that clock: the
+    # sender replaces it with waited_s, the seconds it had waited when sent (RemoteEngine.step).
+    arrival_time: float = field(default_factory=time.perf_counter)
+    waited_s: float | None = None
+
+    def arrival_here(self) -> float:
+        """The arrival time on this process's perf_counter."""
+        return self.arrival_time if self.waited_s is None else time.perf_counter() - self.waited_s
 
 
 class RequestValidator:

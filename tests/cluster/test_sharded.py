@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from waiting import wait_for
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
@@ -131,23 +132,27 @@ def test_more_workers_than_the_cluster_can_hold(ray_cluster, tmp_path):
 def test_placement_that_cannot_be_satisfied_times_out(ray_cluster, checkpoint):
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    hog = placement_group([{"CPU": 7}])
-    ray_cluster.get(hog.ready())
+    free = free_cpus(ray_cluster)
+    # At most one CPU of the 8 stays free (a serving replica of another suite may hold one):
+    # two workers cannot be placed.
+    hog = placement_group([{"CPU": ray_cluster.cluster_resources()["CPU"] - 1}])
+    ray_cluster.get(hog.ready(), timeout=30)
     try:
         with pytest.raises(PlacementError, match=r"could not place 2 workers .* within 2 s"):
             LLM(str(checkpoint), num_workers=2, placement_timeout_s=2)
     finally:
         remove_placement_group(hog)
-    _wait_for_all_cpus(ray_cluster)
+    wait_for_cpus(ray_cluster, free)
 
 
-def _wait_for_all_cpus(ray, timeout_s: float = 10) -> None:
-    import time
+def free_cpus(ray) -> float:
+    return ray.available_resources().get("CPU", 0)
 
-    deadline = time.time() + timeout_s
-    while ray.available_resources().get("CPU", 0) < 8 and time.time() < deadline:
-        time.sleep(0.1)
-    assert ray.available_resources().get("CPU", 0) == 8, ray.available_resources()
+
+def wait_for_cpus(ray, free_before: float, timeout_s: float = 10) -> None:
+    """Until the CPUs free before a test are free again: what it placed is released. Compared with the
+    count before, not the cluster's 8: other suites' actors (a serving replica) may hold some throughout."""
+    wait_for(lambda: free_cpus(ray) >= free_before, timeout_s, f"{free_before:g} free CPUs")
 
 
 def test_the_coordinator_keeps_step_timings_only_when_asked(ray_cluster, checkpoint):

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from test_sharded import _wait_for_all_cpus
+from test_sharded import free_cpus, wait_for_cpus
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
@@ -25,6 +25,7 @@ def _is_alive(pid: int) -> bool:
 
 def test_killed_worker_fails_generation_within_seconds(ray_cluster, tmp_path):
     path = make_text_checkpoint(tmp_path / "ckpt", max_position_embeddings=4096)
+    cpus_before = free_cpus(ray_cluster)
     llm = LLM(str(path), dtype="float32", num_workers=2)
     pids = llm.engine.executor.worker_pids()
     result: dict = {}
@@ -55,7 +56,7 @@ def test_killed_worker_fails_generation_within_seconds(ray_cluster, tmp_path):
     while _is_alive(pids[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _is_alive(pids[0])
-    _wait_for_all_cpus(ray_cluster)
+    wait_for_cpus(ray_cluster, cpus_before)
 
 
 def test_killed_coordinator_fails_generation_and_shutdown_releases_its_placement_group(ray_cluster, tmp_path):
@@ -67,7 +68,7 @@ def test_killed_coordinator_fails_generation_and_shutdown_releases_its_placement
         return sum(1 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
 
     path = make_text_checkpoint(tmp_path / "ckpt", max_position_embeddings=4096)
-    groups_before = live_groups()
+    groups_before, cpus_before = live_groups(), free_cpus(ray_cluster)
     llm = LLM(str(path), dtype="float32", num_workers=2)
     assert live_groups() == groups_before + 1
     worker_pids, coordinator_pid = llm.engine.executor.worker_pids(), llm.engine.executor.coordinator_pid()
@@ -82,4 +83,4 @@ def test_killed_coordinator_fails_generation_and_shutdown_releases_its_placement
         time.sleep(0.1)
     assert live_groups() == groups_before
     assert not any(map(_is_alive, worker_pids))
-    _wait_for_all_cpus(ray_cluster)
+    wait_for_cpus(ray_cluster, cpus_before)
