@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -20,7 +21,6 @@ import torch
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.spec_stats import SpeculationStats
 
 HF_GREEDY = "transformers greedy"
 HF_LOOKUP = "transformers prompt lookup (k=3)"
@@ -75,7 +75,7 @@ def plot(rows: list[dict], batches: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(rows)
     for i, r in enumerate(rows):
-        label = r["system"] + (f", {r['workers']} worker{'s' if r['workers'] > 1 else ''}" if r["workers"] else "")
+        label = r["system"] + (f", workers {r['workers']}" if r["workers"] else "")
         values = [r["tokens_per_s_per_user"].get(str(b)) or 0 for b in batches]
         ax.bar([x + i * width for x in range(len(batches))], values, width, label=label)
     ax.set_xticks([x + width * (len(rows) - 1) / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=str(BUNDLED_TARGET))
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
     parser.add_argument("--batch-sizes", default="1,8")
-    parser.add_argument("--workers", default="1,2", help="warpspec worker counts")
+    parser.add_argument("--workers", default="1,ray1,2",
+                        help="warpspec worker counts: 1 in this process, rayN N workers through Ray, N > 1 likewise")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration (median kept)")
     parser.add_argument("--dtype", default="float32", help="both engines compute in this dtype")
@@ -114,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
                            {"system": HF_LOOKUP, "workers": 0, "batches": [1],  # transformers: batch 1 only
                             "run": transformers_runner(reference, args.new_tokens, True)}]
     with contextlib.ExitStack() as stack:
-        for workers in [int(w) for w in args.workers.split(",")]:
+        for workers in args.workers.split(","):
+            # "1": in this process; "ray1": one worker through Ray (the coordinator's engine core); "2": two.
+            num_workers, executor = int(workers.removeprefix("ray")), "ray" if workers.startswith("ray") else "auto"
             for name, draft in (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)):
-                llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=workers, draft=draft,
-                                              enable_prefix_caching=False))
+                llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
+                                              executor=executor, enable_prefix_caching=False))
                 systems.append({"system": name, "workers": workers, "llm": llm,
                                 "run": warpspec_runner(llm, args.new_tokens)})
         for s in systems:  # warm up (and compile the drafts) outside the measurement
@@ -131,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
                 for s in systems:
                     if batch not in s.get("batches", batches):
                         continue
-                    if "llm" in s:
-                        s["llm"].engine.spec_stats = SpeculationStats()
+                    before = copy.deepcopy(s["llm"].engine.spec_stats) if "llm" in s else None
                     wall, tokens = timed(s["run"], batch_prompts)
                     key = s["system"] + str(s["workers"])
                     walls[key].append(wall)
                     results[key][batch] = {"tokens": tokens, "acceptance_length":
-                                           s["llm"].engine.spec_stats.acceptance_length if "llm" in s else None}
+                                           s["llm"].engine.spec_stats.since(before).acceptance_length
+                                           if "llm" in s else None}
             for key, values in walls.items():
                 if values:
                     results[key][batch]["tokens_per_s_per_user"] = args.new_tokens / sorted(values)[len(values) // 2]

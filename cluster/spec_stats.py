@@ -28,3 +28,12 @@ class SpeculationStats:
 
     def acceptance_rate_at(self) -> list[float]:
         return [self.accepted_at.get(i, 0) / n for i, n in sorted(self.proposed_at.items())]
+
+    def since(self, earlier: SpeculationStats) -> SpeculationStats:
+        """What was counted after `earlier`, a copy taken before (copy.deepcopy): a measurement's own figures."""
+        return SpeculationStats(
+            self.num_verify_steps - earlier.num_verify_steps, self.num_draft_tokens - earlier.num_draft_tokens,
+            self.num_accepted_tokens - earlier.num_accepted_tokens,
+            {i: n - earlier.proposed_at.get(i, 0) for i, n in self.proposed_at.items()},
+            {i: n - earlier.accepted_at.get(i, 0) for i, n in self.accepted_at.items()},
+            self.step_time_s - earlier.step_time_s, self.draft_time_s - earlier.draft_time_s)
