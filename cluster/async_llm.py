@@ -20,7 +20,6 @@ from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ class AsyncLLM:
         self.config = config
         self.engine = make_engine(config)
         self.streams: dict[str, asyncio.Queue] = {}
-        self.pending_adds: list[Sequence] = []
+        self.pending_adds: list = []  # what engine.make_sequence returned, not yet added
         self.pending_aborts: list[str] = []
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
@@ -73,9 +72,9 @@ class AsyncLLM:
 
     async def process_ids(self) -> tuple[int | None, list[int]]:
         """(coordinator pid, worker pids) with Ray workers; (None, []) when the model runs in this process."""
-        executor = self.engine.executor
         if not self.config.parallel.uses_ray:
             return None, []
+        executor = self.engine.executor
         return await asyncio.to_thread(lambda: (executor.coordinator_pid(), executor.worker_pids()))
 
     async def generate(self, prompt: Prompt, params: SamplingParams,

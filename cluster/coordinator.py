@@ -59,10 +59,6 @@ class DispatchTiming:
     output_bytes: int = 0  # rank 0's reply (logits, and hidden states when drafting)
     core_s: float = 0.0  # the whole core step around it: scheduling, dispatch, sampling, the draft
 
-    @property
-    def overhead_s(self) -> float:
-        return self.wall_s - self.slowest_compute_s
-
 
 class Coordinator:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup):

@@ -49,7 +49,6 @@ class Eagle3Proposer:
         self.draft = draft.move_to(self.device)
         self.block_size = block_size
         self.aux_layer_ids = c.aux_layer_ids
-        self.generators: dict[str, torch.Generator] = {}  # when requests bring no generator of their own
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
         if compile:
@@ -75,7 +74,7 @@ class Eagle3Proposer:
         logits = logits.float().cpu()
         temperature = torch.tensor([r.temperature or 1.0 for r in requests])
         draft_probs = (logits / temperature[:, None]).softmax(dim=-1)
-        choice = sample_from(draft_probs, [self._generator(r) for r in requests])
+        choice = sample_from(draft_probs, [r.generator for r in requests])
         greedy = torch.tensor([r.temperature == 0 for r in requests])
         choice = torch.where(greedy, logits.argmax(dim=-1), choice)
         target_vocab = self.draft.embed_tokens.shape[0]
@@ -83,20 +82,8 @@ class Eagle3Proposer:
         probs.index_copy_(1, self.draft.to_target_ids(torch.arange(logits.shape[-1])).cpu(), draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
-    def _generator(self, request: DraftRequest) -> torch.Generator:
-        """The engine's generator in-process; a per-request one seeded from the request otherwise."""
-        if request.generator is not None:
-            return request.generator
-        if request.request_id not in self.generators:
-            # Not the request's seed itself: the engine verifies with a generator seeded by it, and the
-            # acceptance draws must be independent of the draws that chose the drafts.
-            seed = (request.seed * 6364136223846793005 + 1442695040888963407) % 2**63
-            self.generators[request.request_id] = torch.Generator().manual_seed(seed)
-        return self.generators[request.request_id]
-
     def release(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+        pass  # no per-request state: the draft's KV lives in the request's own blocks
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:

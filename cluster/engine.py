@@ -262,7 +262,7 @@ class LLMEngine:
             requests.append(DraftRequest(
                 seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, num_drafts,
                 self.block_manager.block_tables[seq.request_id], seq.params.temperature,
-                seq.generator.initial_seed(), seq.generator))
+                seq.generator))
             live.append(seq)
         for seq, drafts in zip(live, self.proposer.propose(requests, aux_hidden), strict=True):
             seq.draft_token_ids, seq.draft_probs = drafts.token_ids, drafts.probs

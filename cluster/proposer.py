@@ -24,8 +24,7 @@ class DraftRequest:
     num_drafts: int  # draft tokens wanted for the next step; 0 only brings the proposer's state up to date
     block_table: list[int]
     temperature: float  # 0: greedy drafts
-    seed: int  # seeds the request's draft sampling where the proposer keeps its own generators
-    generator: torch.Generator | None = field(default=None, repr=False)  # the request's, from the engine
+    generator: torch.Generator = field(repr=False)  # the request's own: seeded requests reproduce in any batch
 
     @property
     def num_positions(self) -> int:
