@@ -1,12 +1,14 @@
 """`warpspec bench dispatch`: what it costs to drive one step of a replica on Ray workers.
 
-The engine core runs in the coordinator actor; the replica makes one call per step (core_step). Per
-decode step, from the coordinator's own clock and the replica's:
+The engine core runs its own step loop in the coordinator actor; the replica sends requests
+fire-and-forget and reads one reply per step from a stream. Per decode step, from the coordinator's
+own clock and the replica's:
 - dispatch overhead: the coordinator's wall time for the workers' step minus the slowest worker's
   own compute (what Ray adds: serialising the step, waking the workers, collecting replies);
 - host overhead: the whole core step minus the slowest worker's compute (scheduling, dispatch,
   sampling or verification, the draft, bookkeeping): everything the workers do not do;
-- the replica <-> coordinator hop: the replica's round trip minus the core step;
+- stream lag: from the core sending a step's reply to the replica holding it (same node, monotonic
+  clock). The core does not wait for it: its next step is already running;
 - bytes per step across each boundary: replica -> core and back (pickled, as Ray sends them),
   core -> each worker (the msgpack step), rank 0 -> core (logits, hidden states when drafting).
 Measured for Ray Compiled Graph dispatch and for plain actor calls on a small random checkpoint, and
@@ -41,25 +43,30 @@ def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch
     with LLM(str(model), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch,
              run_dir=run_dir, draft=None if draft is None else str(draft), compile_draft=False) as llm:
         executor = llm.engine.executor
-        calls: list[tuple[float, int, int]] = []  # (round trip s, bytes in, bytes out) per core_step
-        core_step = executor.core_step
+        sent: list[int] = []  # bytes of each message to the core
+        replies: list[tuple[float, int]] = []  # (stream lag s, bytes) per reply
+        submit, next_reply = executor.submit, executor.next_reply
 
-        def timed_core_step(adds, aborts):
-            start = time.perf_counter()
-            reply = core_step(adds, aborts)
-            calls.append((time.perf_counter() - start, len(pickle.dumps((adds, aborts))), len(pickle.dumps(reply))))
+        def timed_submit(message):
+            sent.append(len(pickle.dumps(message)))
+            submit(message)
+
+        def timed_next_reply():
+            reply = next_reply()
+            replies.append((time.monotonic() - reply.sent_at, len(pickle.dumps(reply))))
             return reply
 
-        executor.core_step = timed_core_step
+        executor.submit, executor.next_reply = timed_submit, timed_next_reply
         executor.record_timings()
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         prompts = [[1, *range(10 + i, 26 + i)] for i in range(batch)]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
         executor.take_timings()
-        calls.clear()
+        sent.clear()
+        replies.clear()
         llm.generate(prompts, params)
         timings = executor.take_timings()[1:]  # drop the prefill step: decode steps only
-        calls = calls[1:]  # likewise
+        replies = replies[1:]  # likewise
     host = [(t.core_s - t.slowest_compute_s) * 1e3 for t in timings]
     return {
         "label": label,
@@ -71,9 +78,10 @@ def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch
         "dispatch_overhead_ms_p50": statistics.median((t.wall_s - t.slowest_compute_s) * 1e3 for t in timings),
         "host_overhead_ms_p50": statistics.median(host),
         "host_overhead_ms_p90": _percentile(host, 0.9),
-        "hop_ms_p50": statistics.median((c[0] - t.core_s) * 1e3 for c, t in zip(calls, timings, strict=False)),
-        "replica_to_core_bytes_p50": statistics.median(c[1] for c in calls),
-        "core_to_replica_bytes_p50": statistics.median(c[2] for c in calls),
+        "stream_lag_ms_p50": statistics.median(lag * 1e3 for lag, _ in replies),
+        "replica_to_core_messages": len(sent),  # in the whole measured generate call
+        "replica_to_core_bytes_p50": statistics.median(sent),
+        "core_to_replica_bytes_p50": statistics.median(size for _, size in replies),
         "core_to_worker_bytes_p50": statistics.median(t.step_bytes for t in timings),
         "rank0_to_core_bytes_p50": statistics.median(t.output_bytes for t in timings),
     }
@@ -96,16 +104,19 @@ def measure_messages(batch: int, vocab: int, repeats: int = 2000) -> dict:
 def format_table(rows: list[dict], messages: dict) -> str:
     lines = [
         "| replica | dispatch | workers | decode steps | step wall p50 (ms) | slowest worker compute p50 (ms) "
-        "| dispatch overhead p50 (ms) | host overhead p50 / p90 (ms) | replica<->core hop p50 (ms) "
-        "| bytes replica->core / core->replica | bytes core->worker / rank 0->core |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dispatch overhead p50 (ms) | host overhead p50 / p90 (ms) | stream lag p50 (ms) "
+        "| messages replica->core (bytes p50) | bytes core->replica per step "
+        "| bytes core->worker / rank 0->core |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['label']} | {r['dispatch']} | {r['num_workers']} | {r['steps']} "
                      f"| {r['step_wall_ms_p50']:.2f} | {r['slowest_compute_ms_p50']:.2f} "
                      f"| {r['dispatch_overhead_ms_p50']:.3f} "
-                     f"| {r['host_overhead_ms_p50']:.3f} / {r['host_overhead_ms_p90']:.3f} | {r['hop_ms_p50']:.3f} "
-                     f"| {r['replica_to_core_bytes_p50']:.0f} / {r['core_to_replica_bytes_p50']:.0f} "
+                     f"| {r['host_overhead_ms_p50']:.3f} / {r['host_overhead_ms_p90']:.3f} "
+                     f"| {r['stream_lag_ms_p50']:.3f} "
+                     f"| {r['replica_to_core_messages']} ({r['replica_to_core_bytes_p50']:.0f}) "
+                     f"| {r['core_to_replica_bytes_p50']:.0f} "
                      f"| {r['core_to_worker_bytes_p50']:.0f} / {r['rank0_to_core_bytes_p50']:.0f} |")
     lines.append(f"msgpack encode+decode per step: StepInput ({messages['batch']} decoding sequences) "
                  f"{messages['step_input_us']:.0f} us, StepOutput ({messages['batch']} x {messages['vocab']} logits) "

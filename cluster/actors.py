@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import ray
 from ray.util.placement_group import PlacementGroup
 
 from warpspec.config import EngineConfig
 from warpspec.coordinator import Coordinator, ReplicaInfo
-from warpspec.core_messages import StepReply
-from warpspec.requests import NewRequest
+from warpspec.core_messages import CoreInput, StepReply
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
 
 
@@ -39,8 +39,9 @@ class ShardWorkerActor:
 
 
 # The coordinator mostly waits on its workers (it samples and drafts between their steps): it takes
-# no CPU slot of its own.
-@ray.remote(num_cpus=0)
+# no CPU slot of its own. The core's loop holds a thread of its own ("core") for the actor's life;
+# the other calls (the replica's messages, timings, shutdown) run beside it, one at a time.
+@ray.remote(num_cpus=0, concurrency_groups={"core": 1})
 class CoordinatorActor:
     def __init__(self):
         self.coordinator: Coordinator | None = None
@@ -49,8 +50,12 @@ class CoordinatorActor:
         self.coordinator = Coordinator(config, placement_group)
         return self.coordinator.info()
 
-    def core_step(self, adds: list[NewRequest], aborts: list[str]) -> StepReply:
-        return self.coordinator.core_step(adds, aborts)
+    def submit(self, message: CoreInput) -> None:
+        self.coordinator.submit(message)
+
+    @ray.method(num_returns="streaming", concurrency_group="core")
+    def run_core(self) -> Iterator[StepReply]:
+        yield from self.coordinator.run_core()
 
     def record_timings(self, enabled: bool) -> None:
         self.coordinator.record_timings(enabled)

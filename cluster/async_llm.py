@@ -1,14 +1,17 @@
 """The streaming engine front end for many concurrent users (the serving layer builds on it).
 
-One background task owns the engine: between steps it applies the requests added and aborted
-since the last step, runs the next step and hands each request's outputs to that request's queue.
+Requests are added to and aborted from the engine as they come, on the event loop. One background
+task hands each step's outputs to each request's queue:
+- in-process (one local worker), it runs the engine's steps while anything is unfinished;
+- with Ray workers the engine core steps on its own in the coordinator: the requests added and
+  aborted in one turn of the event loop go to it in one fire-and-forget message, and the task
+  awaits the core's stream of step replies. No blocking call runs on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -29,14 +32,11 @@ class AsyncLLM:
         self.config = config
         self.engine = make_engine(config)
         self.streams: dict[str, asyncio.Queue] = {}
-        self.pending_adds: list = []  # what engine.make_sequence returned, not yet added
-        self.pending_aborts: list[str] = []
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
         self.is_rebuilding = False
-        # With Ray workers a step is a blocking ray.get on the coordinator: it waits in a thread, so the
-        # event loop keeps streaming, admitting, cancelling and answering health checks meanwhile.
-        self.steps_in_thread = config.parallel.uses_ray
+        self.core_is_remote = config.parallel.uses_ray  # a RemoteEngine: the core steps in the coordinator
+        self.is_send_scheduled = False
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> AsyncLLM:
@@ -66,9 +66,9 @@ class AsyncLLM:
         return len(self.streams)
 
     def stats(self) -> EngineStats:
-        """The engine's snapshot, with requests submitted but not yet admitted counted as waiting."""
-        stats = self.engine.stats()
-        return dataclasses.replace(stats, num_waiting=stats.num_waiting + len(self.pending_adds))
+        """The engine's snapshot: with Ray workers, the core's after its last step, with requests not
+        yet sent to it counted as waiting."""
+        return self.engine.stats()
 
     async def process_ids(self) -> tuple[int | None, list[int]]:
         """(coordinator pid, worker pids) with Ray workers; (None, []) when the model runs in this process."""
@@ -90,12 +90,12 @@ class AsyncLLM:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
         seq = self.engine.make_sequence(request_id, prompt, params)
         limit = self.config.scheduler.max_waiting_requests
-        if self.engine.num_waiting + len(self.pending_adds) >= limit:
+        if self.engine.num_waiting >= limit:
             raise EngineOverloadedError(f"engine overloaded: {limit} requests already waiting "
                                         "(max_waiting_requests); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
-        self.pending_adds.append(seq)
+        self.engine.add_sequence(seq)
         self._wake()
         finished = False
         try:
@@ -115,7 +115,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are released before the next step."""
-        self.pending_aborts.append(request_id)
+        self.engine.abort(request_id)
         self._wake()
 
     def fail_all(self, error: BaseException) -> None:
@@ -133,64 +133,84 @@ class AsyncLLM:
         try:
             # Anything still in flight was on the failed engine (a request admitted as it failed).
             self.fail_all(EngineError("the engine failed and is being rebuilt; retry shortly"))
-            old, self.pending_adds = self.engine, []
+            await self._stop_loop()  # it reads the old engine
+            old = self.engine
             await asyncio.to_thread(old.shutdown)
             self.engine = await asyncio.to_thread(make_engine, self.config)
         finally:
             self.is_rebuilding = False
 
     async def shutdown(self) -> None:
+        await self._stop_loop()
+        await asyncio.to_thread(self.engine.shutdown)  # with Ray: the coordinator's shutdown call
+
+    async def _stop_loop(self) -> None:
         if self.loop_task is not None:
             self.loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.loop_task
             self.loop_task = None
-        await asyncio.to_thread(self.engine.shutdown)  # with Ray: the coordinator's shutdown call
 
     def _wake(self) -> None:
         if self.loop_task is None or self.loop_task.done():
             self.wakeup = asyncio.Event()
-            self.loop_task = asyncio.get_running_loop().create_task(self._run())
-        self.wakeup.set()
+            run = self._read_core_replies if self.core_is_remote else self._run_steps
+            self.loop_task = asyncio.get_running_loop().create_task(run())
+        if self.core_is_remote:
+            if not self.is_send_scheduled:  # at the end of this turn of the loop: one message for all
+                self.is_send_scheduled = True
+                asyncio.get_running_loop().call_soon(self._send)
+        else:
+            self.wakeup.set()
 
-    def _apply_pending(self) -> None:
-        adds, self.pending_adds = self.pending_adds, []
-        aborts, self.pending_aborts = set(self.pending_aborts), []
-        for seq in adds:
-            if seq.request_id not in aborts:
-                self.engine.add_sequence(seq)
-        for request_id in aborts:
-            self.engine.abort(request_id)
+    def _send(self) -> None:
+        self.is_send_scheduled = False
+        self.engine.send()
 
-    async def _run(self) -> None:
+    async def _run_steps(self) -> None:
+        """In-process: step the engine while anything is unfinished."""
         while True:
-            self._apply_pending()
             if not self.engine.has_unfinished():
                 self.wakeup.clear()
                 await self.wakeup.wait()
                 continue
             try:
-                # In-process, the step (the model itself) runs on the event loop's own thread, and the
-                # loop serves other coroutines between steps. Run in a worker thread instead, it
-                # contends with the loop for the GIL and torch starts a second OpenMP pool: measured
-                # 1.5-1.7x slower steps on 2 cores (19 ms vs 11 ms per decode step at 32 requests).
-                # Nothing of the engine changes meanwhile: adds and aborts wait in pending_* until the
-                # step is over.
-                outputs = await asyncio.to_thread(self.engine.step) if self.steps_in_thread else self.engine.step()
+                # The step (the model itself) runs on the event loop's own thread, and the loop serves
+                # other coroutines between steps. Run in a worker thread instead, it contends with the
+                # loop for the GIL and torch starts a second OpenMP pool: measured 1.5-1.7x slower
+                # steps on 2 cores (19 ms vs 11 ms per decode step at 32 requests).
+                outputs, failures = self.engine.step(), []
             except StepFailedError as error:  # the engine aborted that step's requests; the rest go on
-                logger.exception("an engine step failed; its %d requests fail", len(error.request_ids))
-                outputs = []
-                for request_id in error.request_ids:
-                    self._deliver(request_id, error)
-            except Exception as error:  # noqa: BLE001 - the workers are gone: every waiting request must learn of it
-                outputs = []
-                for queue in self.streams.values():
-                    queue.put_nowait(error)
-            for out in outputs:
-                self._deliver(out.request_id, out)
+                outputs, failures = [], [error]
+            except Exception as error:  # noqa: BLE001 - the model is broken: every waiting request must learn of it
+                outputs, failures = [], []
+                self._fail_streams(error)
+            self._deliver_step(outputs, failures)
             await asyncio.sleep(0)  # let the streams and new requests in before the next step
+
+    async def _read_core_replies(self) -> None:
+        """With Ray workers: deliver each step the core reports, until the core is gone."""
+        while True:
+            try:
+                outputs, failures = await self.engine.next_outputs()
+            except Exception as error:  # noqa: BLE001 - the workers or the coordinator are gone
+                self._fail_streams(error)
+                return
+            self._deliver_step(outputs, failures)
+
+    def _deliver_step(self, outputs: list[RequestOutput], failures: list[StepFailedError]) -> None:
+        for error in failures:
+            logger.error("an engine step failed; its %d requests fail: %s", len(error.request_ids), error)
+            for request_id in error.request_ids:
+                self._deliver(request_id, error)
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for queue in self.streams.values():
+            queue.put_nowait(error)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         queue = self.streams.get(request_id)
-        if queue is not None:  # None: its client has gone, and its abort is pending
+        if queue is not None:  # None: its client has gone (and its request was aborted)
             queue.put_nowait(item)

@@ -1,36 +1,40 @@
 """The coordinator of one model replica: places N shard workers, joins them into a collective group,
 and runs the engine core (scheduler, KV blocks, sampling, verification, the EAGLE-3 draft) beside
-them. Rank 0's logits and hidden states stop here; the replica sends the requests added and aborted
-and gets back each request's new tokens (core_messages.py), one call per step.
+them, in a step loop of its own. Rank 0's logits and hidden states stop here. The replica sends the
+requests added and aborted whenever it has some, and reads each step's new tokens from one
+long-lived stream (core_messages.py); it makes no call per step.
 
-    replica (AsyncLLM / LLM)        coordinator (LLMEngine)              workers
-    core_step(adds, aborts) ---->   schedule, execute(step) ----------> target forward
-                                    sample / verify_batch  <----------- rank 0: logits, hidden states
-                                    draft proposes the next k
-                            <----   token ids, text, logprobs
+    replica (AsyncLLM / LLM)             coordinator: run_core loop               workers
+    submit(CoreInput) ---fire&forget-->  inbox: aborts, then adds
+                                         schedule, execute(step) ----------------> target forward
+                                         sample / verify_batch  <----------------- rank 0: logits, hidden
+                                         draft proposes the next k
+    next reply  <------- stream -------  StepReply: token ids, text, logprobs
 
-Plain class; `actors.CoordinatorActor` hosts it in a Ray actor. It creates its workers itself, so a
-replica is one coordinator handle however many GPUs it spans.
+Plain class; `actors.CoordinatorActor` hosts it in a Ray actor, the loop in a thread of its own. It
+creates its workers itself, so a replica is one coordinator handle however many GPUs it spans.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config import EngineConfig
-from warpspec.core_messages import RequestDelta, StepReply
+from warpspec.core_inbox import CoreInbox
+from warpspec.core_messages import CoreInput, RequestDelta, StepReply
 from warpspec.engine import LLMEngine
-from warpspec.errors import PlacementError, WorkerDiedError
-from warpspec.requests import NewRequest
+from warpspec.errors import PlacementError, StepFailedError, WorkerDiedError
 from warpspec.workers.comm import CollectiveError, CommInit
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
@@ -48,6 +52,7 @@ class ReplicaInfo:
     draft_aux_layer_ids: tuple[int, ...] | None = None  # when the coordinator runs an EAGLE-3 draft
 
 
+SHUTDOWN_WAIT_S = 30.0  # for the core's step in progress
 MAX_TIMINGS = 100_000  # steps of DispatchTiming kept while recording: ~10 MB at most
 
 
@@ -57,7 +62,7 @@ class DispatchTiming:
     slowest_compute_s: float  # the longest any worker spent inside execute
     step_bytes: int = 0  # the step message sent to each worker
     output_bytes: int = 0  # rank 0's reply (logits, and hidden states when drafting)
-    core_s: float = 0.0  # the whole core step around it: scheduling, dispatch, sampling, the draft
+    core_s: float = 0.0  # the whole core step around it: admitting, scheduling, dispatch, sampling, the draft
 
 
 class Coordinator:
@@ -76,6 +81,8 @@ class Coordinator:
         # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
         self.timings: deque[DispatchTiming] | None = None
         self.is_broken = False
+        self.inbox = CoreInbox()
+        self.is_stepping = threading.Lock()  # held by run_core through each pass, so shutdown can wait it out
         try:
             self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
             self.infos = self._start_workers()
@@ -128,19 +135,53 @@ class Coordinator:
         return ReplicaInfo(self.parallel.num_workers, self.num_blocks, self.infos, self.parallel.dispatch,
                            tuple(proposer.aux_layer_ids) if proposer is not None else None)
 
-    def core_step(self, adds: list[NewRequest], aborts: list[str]) -> StepReply:
-        """Admit adds, drop aborts, run one engine step (none when nothing is left to run)."""
-        start, engine = time.perf_counter(), self.engine
-        last_timing = self.timings[-1] if self.timings else None
-        for request in adds:
-            engine.add_sequence(engine.sequence_of(request))
-        for request_id in aborts:
-            engine.abort(request_id)
-        outputs = engine.step() if engine.has_unfinished() else []
-        reply = StepReply([RequestDelta.of(out) for out in outputs], engine.stats(), engine.spec_stats)
-        if self.timings and self.timings[-1] is not last_timing:  # this call ran a step on the workers
+    def submit(self, message: CoreInput) -> None:
+        """The replica's requests added and aborted; run_core applies them before its next step."""
+        self.inbox.put(message)
+
+    def run_core(self) -> Iterator[StepReply]:
+        """The engine core's loop: apply the replica's messages, step while anything is unfinished,
+        and reply after each step (Ray streams the replies to the replica). Idle, it waits for a
+        message. Ends when shutdown closes the inbox; a dead worker ends it with WorkerDiedError."""
+        engine = self.engine
+        while True:
+            messages = self.inbox.take(wait=not engine.has_unfinished())
+            if messages is None:
+                return
+            with self.is_stepping:
+                reply = self._pass(messages)
+            if reply is not None:
+                yield reply
+
+    def _pass(self, messages: list[CoreInput]) -> StepReply | None:
+        """Apply messages, then one step if anything is unfinished. None when neither happened."""
+        engine = self.engine
+        start, last_timing = time.perf_counter(), self.timings[-1] if self.timings else None
+        failures = [failure for message in messages for failure in self._apply(message)]
+        outputs = []
+        if engine.has_unfinished():
+            try:
+                outputs = engine.step()
+            except StepFailedError as e:  # the engine dropped that step's requests and serves the rest
+                failures.append(e)
+        elif not messages:
+            return None
+        reply = StepReply([RequestDelta.of(out) for out in outputs], engine.stats(), engine.spec_stats,
+                          failures, time.monotonic())
+        if self.timings and self.timings[-1] is not last_timing:  # this pass ran a step on the workers
             self.timings[-1].core_s = time.perf_counter() - start
         return reply
+
+    def _apply(self, message: CoreInput) -> list[StepFailedError]:
+        for request_id in message.aborts:
+            self.engine.abort(request_id)
+        failures = []
+        for request in message.adds:
+            try:
+                self.engine.add_sequence(self.engine.sequence_of(request))
+            except Exception as e:  # noqa: BLE001 - one request the core cannot take must not end the loop
+                failures.append(StepFailedError.caused_by([request.request_id], e))
+        return failures
 
     def execute(self, step: StepInput) -> StepOutput:
         """The engine's executor: one step on every worker; rank 0's logits and hidden states, here."""
@@ -153,9 +194,10 @@ class Coordinator:
                 replies = ray.get(self.graph.execute(step_bytes))
             else:
                 replies = ray.get([w.execute.remote(step_bytes) for w in self.workers])
-        except (RayActorError, RayTaskError) as e:
+        except (RayActorError, RayTaskError, RayChannelError) as e:
             # A rank whose peer died usually reports the broken collective before Ray reports the dead
-            # actor: both mean the replica is gone.
+            # actor, and a Compiled Graph whose actor died reports a closed channel: all mean the
+            # replica is gone.
             if isinstance(e, RayTaskError) and not isinstance(e.cause, RayActorError | CollectiveError):
                 raise e.cause from None
             self.is_broken = True
@@ -184,7 +226,12 @@ class Coordinator:
         return [info.pid for info in self.infos]
 
     def shutdown(self) -> None:
-        """Release the compiled graph and the workers (the placement group is its maker's to remove)."""
+        """End the core's loop (after the step it is in) and release the compiled graph and the workers
+        (the placement group is its maker's to remove)."""
+        self.inbox.close()
+        # A step that never returns (a hung collective) must not keep the workers alive: kill them anyway.
+        if self.is_stepping.acquire(timeout=SHUTDOWN_WAIT_S):
+            self.is_stepping.release()
         if self.graph is not None:
             # A graph whose actor died may fail to tear down; the kills below still release everything.
             with contextlib.suppress(Exception):

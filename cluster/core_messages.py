@@ -1,9 +1,10 @@
-"""What crosses between the replica and the engine core in the coordinator, once per step: the
-requests added and aborted since the last step go in; each request's new tokens come out.
+"""What crosses between the replica and the engine core in the coordinator. In: the requests added
+and aborted (CoreInput), sent fire-and-forget whenever the replica has some. Out: one StepReply per
+core step, on one long-lived Ray stream, carrying each request's new tokens.
 
-Per step the reply carries token ids, the new text, the requested logprobs and, once, what a request
-needs at its start (prompt logprobs) or end (full text, metrics): nothing of vocabulary or hidden
-size. The replica rebuilds full RequestOutputs from these deltas (remote_engine.OutputAssembler).
+A reply carries token ids, the new text, the requested logprobs and, once, what a request needs at
+its start (prompt logprobs) or end (full text, metrics): nothing of vocabulary or hidden size. The
+replica rebuilds full RequestOutputs from these deltas (remote_engine.OutputAssembler).
 """
 
 from __future__ import annotations
@@ -11,8 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from warpspec.engine_stats import EngineStats
+from warpspec.errors import StepFailedError
 from warpspec.outputs import PositionLogprobs, RequestOutput
+from warpspec.requests import NewRequest
 from warpspec.spec_stats import SpeculationStats
+
+
+@dataclass
+class CoreInput:
+    """The replica's n-th message to the core (numbered from 0: the core applies them in this order).
+    The core drops aborts before it admits adds: an abort names only a request sent in an earlier
+    message, since the replica drops an abort of one it has not sent yet."""
+    number: int
+    adds: list[NewRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +53,10 @@ class RequestDelta:
 
 @dataclass
 class StepReply:
+    """What the core sends after each step, or after applying messages that ran no step (an abort
+    of the last request: the replica then sees its blocks free)."""
     deltas: list[RequestDelta]
     stats: EngineStats  # after the step
     spec_stats: SpeculationStats
+    failures: list[StepFailedError] = field(default_factory=list)  # requests the core dropped, and why
+    sent_at: float = 0.0  # time.monotonic() in the core: a stream lag, comparable on the same node only

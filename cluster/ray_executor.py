@@ -1,20 +1,20 @@
 """The executor of a replica on Ray: its coordinator actor (which runs the engine core), the N workers
-that actor drives, and their placement group. RemoteEngine steps the core through core_step; the
-rest is what operators and benchmarks ask of a replica: step timings, process ids."""
+that actor drives, and their placement group. RemoteEngine sends the core its requests (submit,
+fire-and-forget) and reads the core's replies from one stream (next_reply); the rest is what
+operators and benchmarks ask of a replica: step timings, process ids."""
 
 from __future__ import annotations
 
 import contextlib
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 from warpspec.config import EngineConfig
 from warpspec.coordinator import DispatchTiming, coordinator_options, place_workers, unwrap_ray_errors
-from warpspec.core_messages import StepReply
-from warpspec.errors import WorkerDiedError
-from warpspec.requests import NewRequest
+from warpspec.core_messages import CoreInput, StepReply
+from warpspec.errors import EngineError, WorkerDiedError
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 
@@ -39,12 +39,28 @@ class RayExecutor:
             raise
         self.num_blocks = self.info.num_blocks
 
-    def core_step(self, adds: list[NewRequest], aborts: list[str]) -> StepReply:
-        """One step of the engine core in the coordinator (coordinator.py)."""
+        # The core's loop runs from here on, replying once per step until shutdown.
+        self.replies = self.coordinator.run_core.remote()
+
+    def submit(self, message: CoreInput) -> None:
+        """Requests added and aborted, for the core's next step. Returns at once: a dead coordinator
+        shows on the stream, not here."""
+        self.coordinator.submit.remote(message)
+
+    def next_reply(self) -> StepReply:
+        """The core's next reply, blocking until its step is done."""
         try:
-            return unwrap_ray_errors(lambda: ray.get(self.coordinator.core_step.remote(adds, aborts)))
-        except RayActorError as e:
-            raise WorkerDiedError(f"the replica's coordinator died: {str(e).splitlines()[0]}") from None
+            return ray.get(next(self.replies))
+        except Exception as e:  # noqa: BLE001 - mapped to the error the replica should see
+            raise core_error(e) from None
+
+    async def next_reply_async(self) -> StepReply:
+        """The core's next reply, awaited: the event loop runs on meanwhile."""
+        try:
+            ref = await self.replies.__anext__()
+            return await ref
+        except Exception as e:  # noqa: BLE001 - mapped to the error the replica should see
+            raise core_error(e) from None
 
     def record_timings(self, enabled: bool = True) -> None:
         """Have the coordinator keep each step's DispatchTiming (benchmarks; off by default)."""
@@ -77,3 +93,15 @@ class RayExecutor:
         if self.placement_group is not None:
             remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+def core_error(error: Exception) -> Exception:
+    """What the replica should see for an error reading the core's stream: the core's own error (a
+    dead worker's WorkerDiedError, a bug) rather than Ray's wrapper around it."""
+    if isinstance(error, StopIteration | StopAsyncIteration):  # shutdown ended the core's loop
+        return EngineError("the engine core has stopped: the replica is shutting down")
+    if isinstance(error, RayTaskError) and error.cause is not None and not isinstance(error.cause, RayActorError):
+        return error.cause
+    if isinstance(error, RayActorError | RayTaskError):
+        return WorkerDiedError(f"the replica's coordinator died: {str(error).splitlines()[0]}")
+    return error

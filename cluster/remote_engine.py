@@ -1,19 +1,21 @@
 """The engine as the replica sees it when the engine core runs in the coordinator actor (Ray workers).
 
 Same surface as LLMEngine for LLM and AsyncLLM (make_sequence, add_sequence, abort, has_unfinished,
-step, stats), but a step is one call: the requests added and aborted since the last step go to the
-coordinator, which schedules, runs the workers, samples or verifies beside rank 0's logits, drafts,
-and answers with each request's new tokens (core_messages.py). Requests are validated and tokenized
-here, so a bad one never reaches the core; OutputAssembler rebuilds full outputs from the deltas.
+step, stats), but the core steps on its own: the requests added and aborted go to the coordinator
+as they come (send(), fire-and-forget), and each step's new tokens come back on one long-lived
+stream (core_messages.py). step() reads the next reply, blocking; AsyncLLM awaits next_outputs().
+Requests are validated and tokenized here, so a bad one never reaches the core; OutputAssembler
+rebuilds full outputs from the deltas.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
 from warpspec.config import EngineConfig
-from warpspec.core_messages import RequestDelta
+from warpspec.core_messages import CoreInput, RequestDelta, StepReply
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
 from warpspec.outputs import RequestOutput
@@ -58,6 +60,8 @@ class RemoteEngine:
         self.requests: dict[str, OutputAssembler] = {}  # added and not yet finished or aborted
         self.pending_adds: list[NewRequest] = []  # not yet sent to the core
         self.pending_aborts: list[str] = []
+        self.num_sent = 0  # CoreInputs sent: the next one's number
+        self.failure: EngineError | None = None  # what ended the core's stream: every later read raises it
         self.core_stats = EngineStats(self.executor.num_blocks, self.executor.num_blocks, 0, 0, 0.0, 0.0)
         self.spec_stats = SpeculationStats()
 
@@ -73,7 +77,8 @@ class RemoteEngine:
         self.pending_adds.append(request)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request; the core frees its KV blocks at the start of the next step."""
+        """Drop a request: never sent, it is forgotten here; sent, the core frees its KV blocks before
+        its next step once send() has passed the abort on."""
         if self.requests.pop(request_id, None) is None:
             return
         unsent = [r for r in self.pending_adds if r.request_id != request_id]
@@ -82,7 +87,8 @@ class RemoteEngine:
         self.pending_adds = unsent
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self.pending_aborts)
+        """Requests the core will still reply for (aborted ones need no reply)."""
+        return bool(self.requests)
 
     @property
     def num_waiting(self) -> int:
@@ -92,32 +98,60 @@ class RemoteEngine:
         """The core's figures after its last step, with requests not yet sent counted as waiting."""
         return dataclasses.replace(self.core_stats, num_waiting=self.num_waiting)
 
-    # ---- the step -------------------------------------------------------------------------------
+    # ---- the core's stream ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def send(self) -> None:
+        """Send the requests added and aborted since the last send, if any; returns at once."""
+        if not (self.pending_adds or self.pending_aborts):
+            return
         now = time.perf_counter()  # queue time and TTFT count from the arrival here
         adds = [dataclasses.replace(r, waited_s=now - r.arrival_time) for r in self.pending_adds]
-        aborts = self.pending_aborts
+        self.executor.submit(CoreInput(self.num_sent, adds, self.pending_aborts))
+        self.num_sent += 1
         self.pending_adds, self.pending_aborts = [], []
+
+    def step(self) -> list[RequestOutput]:
+        """Send what is pending, then wait for the core's next step. Raises the first request failure
+        it reports (StepFailedError), after dropping every failed request."""
+        self.send()
+        with self._core_failure_ends_every_request():
+            reply = self.executor.next_reply()
+        outputs, failures = self._take(reply)
+        if failures:
+            raise failures[0]
+        return outputs
+
+    async def next_outputs(self) -> tuple[list[RequestOutput], list[StepFailedError]]:
+        """The core's next step, awaited: the outputs, and the requests it dropped with their error."""
+        with self._core_failure_ends_every_request():
+            reply = await self.executor.next_reply_async()
+        return self._take(reply)
+
+    @contextlib.contextmanager
+    def _core_failure_ends_every_request(self):
         try:
-            reply = self.executor.core_step(adds, aborts)
-        except StepFailedError as e:  # the core dropped that step's requests and serves the rest
-            for request_id in e.request_ids:
-                self.requests.pop(request_id, None)
-            raise
-        except EngineError:  # the workers or the coordinator are gone: so is every request
+            if self.failure is not None:
+                raise self.failure
+            yield
+        except EngineError as e:  # the workers or the coordinator are gone: so is every request
             self.requests.clear()
+            self.failure = e
             raise
+
+    def _take(self, reply: StepReply) -> tuple[list[RequestOutput], list[StepFailedError]]:
         self.core_stats, self.spec_stats = reply.stats, reply.spec_stats
+        for failure in reply.failures:
+            for request_id in failure.request_ids:
+                self.requests.pop(request_id, None)
         outputs = []
         for delta in reply.deltas:
             assembler = self.requests.get(delta.request_id)
-            if assembler is None:
+            if assembler is None:  # aborted here since the core ran the step
                 continue
             outputs.append(assembler.add(delta))
             if delta.finish_reason is not None:
                 del self.requests[delta.request_id]
-        return outputs
+        return outputs, reply.failures
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -22,5 +22,7 @@ def test_bench_dispatch_prints_every_mode(ray_cluster, tmp_path, capsys):
     assert rows[0]["steps"] == rows[1]["steps"] == 5  # 6 tokens: prefill + 5 decode steps, without a draft
     assert 1 <= rows[2]["steps"] <= 5  # with the draft, fewer target steps
     tiny = rows[0]
+    # The replica sends its batch once and then only reads the core's stream: no message per step.
+    assert tiny["replica_to_core_messages"] == 1 and tiny["stream_lag_ms_p50"] >= 0
     # Rank 0 sends its logits (2 x 512 float32) to the core; the replica gets token ids, never logits.
     assert tiny["rank0_to_core_bytes_p50"] > 2 * 512 * 4 > 2 * tiny["core_to_replica_bytes_p50"]

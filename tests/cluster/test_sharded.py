@@ -99,17 +99,15 @@ def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
     (the embedding's reduction rides in layer 0's); then the final norm's and the logits gather."""
     num_layers = 4
     with LLM(str(checkpoint), dtype="float32", num_workers=2) as llm:
-        engine = llm.engine
-        seq = engine.make_sequence("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        engine.add_sequence(seq)
-        engine.step()  # prefill
-        before = engine.executor.num_collectives()
-        engine.step()  # one decode step
-        after = engine.executor.num_collectives()
-        while engine.has_unfinished():
-            engine.step()
-    per_step = [a - b for a, b in zip(after, before, strict=True)]
-    assert per_step == [2 * num_layers + 2] * 2
+        # The core steps on its own, ahead of the caller: count over a whole request, in its steps.
+        executor = llm.engine.executor
+        executor.record_timings()
+        before = executor.num_collectives()
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        after = executor.num_collectives()
+        num_steps = len(executor.take_timings())
+    assert num_steps == 3  # a prefill step and two decode steps, each a forward with the same collectives
+    assert [a - b for a, b in zip(after, before, strict=True)] == [num_steps * (2 * num_layers + 2)] * 2
 
 
 def test_impossible_splits_fail_before_loading(checkpoint):
