@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=500, help="requests per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds on the plain deployment (RSS: last two)")
     parser.add_argument("--spec-rounds", type=int, default=1, help="rounds on the speculative deployment (0: skip)")
-    parser.add_argument("--workers", type=int, default=2, help="worker actors per replica (plus a coordinator)")
+    parser.add_argument("--workers", type=int, default=2, help="ranks per replica (the coordinator holds rank 0)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="per replica (16 tokens each)")
     parser.add_argument("--determinism-tokens", type=int, default=24)

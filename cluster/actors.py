@@ -38,10 +38,10 @@ class ShardWorkerActor:
         return self.worker.num_collectives()
 
 
-# The coordinator mostly waits on its workers (it samples and drafts between their steps): it takes
-# no CPU slot of its own. The core's loop holds a thread of its own ("core") for the actor's life;
-# the other calls (the replica's messages, timings, shutdown) run beside it, one at a time.
-@ray.remote(num_cpus=0, concurrency_groups={"core": 1})
+# The coordinator is rank 0 as well: coordinator_options gives it bundle 0's CPU or GPU. The core's
+# loop holds a thread of its own ("core") for the actor's life; the other calls (the replica's
+# messages, timings, shutdown) run beside it, one at a time.
+@ray.remote(concurrency_groups={"core": 1})
 class CoordinatorActor:
     def __init__(self):
         self.coordinator: Coordinator | None = None

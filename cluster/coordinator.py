@@ -1,18 +1,21 @@
-"""The coordinator of one model replica: places N shard workers, joins them into a collective group,
-and runs the engine core (scheduler, KV blocks, sampling, verification, the EAGLE-3 draft) beside
-them, in a step loop of its own. Rank 0's logits and hidden states stop here. The replica sends the
-requests added and aborted whenever it has some, and reads each step's new tokens from one
-long-lived stream (core_messages.py); it makes no call per step.
+"""The coordinator of one model replica, and its rank 0: it holds shard 0 itself (vLLM's and SGLang's
+driver worker), places ranks 1..N-1 as worker actors, joins them in one collective group, and runs
+the engine core (scheduler, KV blocks, sampling, verification, the EAGLE-3 draft) in a step loop of
+its own. Rank 0's logits and hidden states never leave this process. The replica sends the requests
+added and aborted whenever it has some, and reads each step's new tokens from one long-lived stream
+(core_messages.py); it makes no call per step.
 
-    replica (AsyncLLM / LLM)             coordinator: run_core loop               workers
+    replica (AsyncLLM / LLM)             coordinator = rank 0: run_core loop      ranks 1..N-1
     submit(CoreInput) ---fire&forget-->  inbox: aborts, then adds
-                                         schedule, execute(step) ----------------> target forward
-                                         sample / verify_batch  <----------------- rank 0: logits, hidden
+                                         schedule; send the step ----------------> their shards
+                                         rank 0's shard, in process <-collectives-> (no logits back)
+                                         sample / verify_batch on rank 0's logits
                                          draft proposes the next k
     next reply  <------- stream -------  StepReply: token ids, text, logprobs
 
-Plain class; `actors.CoordinatorActor` hosts it in a Ray actor, the loop in a thread of its own. It
-creates its workers itself, so a replica is one coordinator handle however many GPUs it spans.
+Plain class; `actors.CoordinatorActor` hosts it in a Ray actor (in bundle 0, with rank 0's GPU), the
+loop in a thread of its own. It creates its workers itself, so a replica is one coordinator handle
+however many GPUs it spans.
 """
 
 from __future__ import annotations
@@ -35,12 +38,12 @@ from warpspec.core_inbox import CoreInbox
 from warpspec.core_messages import CoreInput, RequestDelta, StepReply
 from warpspec.engine import LLMEngine
 from warpspec.errors import PlacementError, StepFailedError, WorkerDiedError
-from warpspec.workers.comm import CollectiveError, CommInit
+from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
 from warpspec.workers.step import StepInput
-from warpspec.workers.worker import WorkerConfig, WorkerInfo
+from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
 
 
 @dataclass
@@ -60,8 +63,8 @@ MAX_TIMINGS = 100_000  # steps of DispatchTiming kept while recording: ~10 MB at
 class DispatchTiming:
     wall_s: float  # coordinator: from sending the step to holding every worker's reply
     slowest_compute_s: float  # the longest any worker spent inside execute
-    step_bytes: int = 0  # the step message sent to each worker
-    output_bytes: int = 0  # rank 0's reply (logits, and hidden states when drafting)
+    step_bytes: int = 0  # the step message sent to each of ranks 1..N-1
+    reply_bytes: int = 0  # the largest reply of ranks 1..N-1 (rank 0's logits stay in this process)
     core_s: float = 0.0  # the whole core step around it: admitting, scheduling, dispatch, sampling, the draft
 
 
@@ -77,17 +80,22 @@ class Coordinator:
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, self.parallel.num_workers)
         self.placement_group = placement_group
-        self.workers, self.graph = [], None
+        self.workers, self.graph, self.rank0 = [], None, None  # self.workers: ranks 1..N-1
         # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
         self.timings: deque[DispatchTiming] | None = None
         self.is_broken = False
         self.inbox = CoreInbox()
         self.is_stepping = threading.Lock()  # held by run_core through each pass, so shutdown can wait it out
         try:
-            self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(self.parallel.num_workers)]
-            self.infos = self._start_workers()
+            num_workers = self.parallel.num_workers
+            self.workers = [self._create_worker(ShardWorkerActor, rank) for rank in range(1, num_workers)]
+            self.rank0, self.infos = self._start_shards()
+            # One rank holds the whole embedding table, which the draft then shares (LLMEngine); over
+            # more, rank 0 holds a vocabulary shard, and the draft reads the table from the checkpoint.
+            self.runner = self.rank0.runner if num_workers == 1 else None
             self.num_blocks = min(i.num_blocks for i in self.infos)
-            self.graph = self._compile_step_graph() if self.parallel.dispatch == "compiled" else None
+            use_graph = self.parallel.dispatch == "compiled" and self.workers
+            self.graph = self._compile_step_graph() if use_graph else None
             self.engine = LLMEngine(config, executor=self)  # loads the draft too, when config names one
         except BaseException:
             self.shutdown()  # a half-built replica must not keep its actors
@@ -107,19 +115,21 @@ class Coordinator:
             backend = "local"
         return CommInit(backend, rank, self.parallel.num_workers, address, port, nccl_id)
 
-    def _start_workers(self) -> list[WorkerInfo]:
-        address, port = ray.get(self.workers[0].address_and_free_port.remote())
+    def _start_shards(self) -> tuple[ShardWorker, list[WorkerInfo]]:
+        """Rank 0 here, hosting the group's rendezvous; ranks 1..N-1 in their actors."""
+        address, port = address_and_free_port()
         uses_nccl = self._comm_init(0, address, port, b"").backend == "nccl"
-        nccl_id = ray.get(self.workers[0].make_nccl_unique_id.remote()) if uses_nccl else b""
+        nccl_id = make_nccl_unique_id() if uses_nccl else b""
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         threads = 0 if self.is_gpu else max(1, min(os.cpu_count() or 1, cpus) // self.parallel.num_workers)
         configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
                                 self._comm_init(rank, address, port, nccl_id), self.config.device, threads,
                                 self.config.cuda_graph_config(), self.config.quantization)
                    for rank in range(self.parallel.num_workers)]
-        # Every rank must enter the group together: start them all, then wait.
-        return unwrap_ray_errors(lambda: ray.get([w.start.remote(c) for w, c in zip(self.workers, configs,
-                                                                                     strict=True)]))
+        # Every rank must enter the group together: start the others, join here, then wait for them.
+        started = [w.start.remote(c) for w, c in zip(self.workers, configs[1:], strict=True)]
+        rank0 = ShardWorker(configs[0])
+        return rank0, [rank0.info(), *unwrap_ray_errors(lambda: ray.get(started))]
 
     def _compile_step_graph(self):
         from ray.dag import InputNode, MultiOutputNode
@@ -184,16 +194,22 @@ class Coordinator:
         return failures
 
     def execute(self, step: StepInput) -> StepOutput:
-        """The engine's executor: one step on every worker; rank 0's logits and hidden states, here."""
+        """The engine's executor: one step on every rank. Ranks 1..N-1 get it as a message; rank 0
+        runs it here, meeting them in the step's collectives, and its logits and hidden states stay."""
         if self.is_broken:
             raise WorkerDiedError("a worker of this replica died earlier; the replica must be rebuilt")
-        step_bytes = step.to_bytes()
+        step_bytes = step.to_bytes() if self.workers else b""
         start = time.perf_counter()
         try:
             if self.graph is not None:
-                replies = ray.get(self.graph.execute(step_bytes))
+                pending = self.graph.execute(step_bytes)
             else:
-                replies = ray.get([w.execute.remote(step_bytes) for w in self.workers])
+                pending = [w.execute.remote(step_bytes) for w in self.workers]
+            output = self.rank0.runner.execute(step)
+            replies = ray.get(pending) if self.workers else []
+        except CollectiveError as e:  # rank 0's collective broke: a peer died
+            self.is_broken = True
+            raise WorkerDiedError(f"a worker of this replica died during a step: {e}") from None
         except (RayActorError, RayTaskError, RayChannelError) as e:
             # A rank whose peer died usually reports the broken collective before Ray reports the dead
             # actor, and a Compiled Graph whose actor died reports a closed channel: all mean the
@@ -203,9 +219,10 @@ class Coordinator:
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
         if self.timings is not None:
-            self.timings.append(DispatchTiming(time.perf_counter() - start, max(compute_s for compute_s, _ in replies),
-                                               len(step_bytes), len(replies[0][1])))
-        return StepOutput.from_bytes(replies[0][1])
+            slowest = max([output.compute_s, *(compute_s for compute_s, _ in replies)])
+            self.timings.append(DispatchTiming(time.perf_counter() - start, slowest, len(step_bytes),
+                                               max((len(r) for _, r in replies), default=0)))
+        return output
 
     def record_timings(self, enabled: bool) -> None:
         """Start (or stop) keeping each step's DispatchTiming, the last MAX_TIMINGS of them."""
@@ -220,7 +237,8 @@ class Coordinator:
         return timings
 
     def num_collectives(self) -> list[int]:
-        return ray.get([w.num_collectives.remote() for w in self.workers])
+        """Per rank, the collectives it has run."""
+        return [self.rank0.comm.num_collectives, *ray.get([w.num_collectives.remote() for w in self.workers])]
 
     def worker_pids(self) -> list[int]:
         return [info.pid for info in self.infos]
@@ -240,27 +258,23 @@ class Coordinator:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
-
-
-# On GPUs the coordinator runs the EAGLE-3 draft beside rank 0, whose hidden states it reads: both
-# live in bundle 0 and share its GPU, the draft taking this fraction of it in Ray's accounting.
-DRAFT_GPU_SHARE = 0.1
+        if self.rank0 is not None:
+            with contextlib.suppress(Exception):  # a group whose peers are gone may not close cleanly
+                self.rank0.close()
+            self.rank0 = None
 
 
 def worker_resources(config: EngineConfig, rank: int) -> dict[str, float]:
+    """Ray options of rank's actor (rank 0: the coordinator): its bundle's GPU, or one CPU."""
     if not config.device.startswith("cuda"):
         return {"num_cpus": 1}
-    shares_gpu = rank == 0 and config.speculative.enabled
-    return {"num_gpus": 1 - DRAFT_GPU_SHARE if shares_gpu else 1, "num_cpus": 0}
+    return {"num_gpus": 1, "num_cpus": 0}
 
 
 def coordinator_options(config: EngineConfig, group: PlacementGroup) -> dict:
-    """Ray options of the coordinator actor: no resources of its own, except on GPUs with a draft,
-    where it takes the rest of bundle 0's GPU (without one, Ray hides every GPU from the actor)."""
-    if not (config.device.startswith("cuda") and config.speculative.enabled):
-        return {"num_cpus": 0}
+    """Ray options of the coordinator actor: rank 0's, in bundle 0, whose GPU also runs the draft."""
     strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-    return {"num_cpus": 0, "num_gpus": DRAFT_GPU_SHARE, "scheduling_strategy": strategy}
+    return {**worker_resources(config, 0), "scheduling_strategy": strategy}
 
 
 def _bundle(config: EngineConfig) -> dict[str, float]:

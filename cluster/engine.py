@@ -63,8 +63,9 @@ class LLMEngine:
     def _load_proposer(self) -> Proposer | None:
         if not self.config.speculative.enabled:
             return None
-        # In-process the draft shares the target's embedding table; in the coordinator (no runner)
-        # it reads the table from the checkpoint.
+        # With one shard (in this process, or the coordinator's only one) the draft shares the
+        # target's embedding table; over more, the executor has no whole table (no runner) and the
+        # draft reads it from the checkpoint.
         runner = getattr(self.executor, "runner", None)
         return load_eagle3_proposer(self.config, self.model_config, self.executor.num_blocks,
                                     None if runner is None else runner.model.model.embed_tokens.weight)

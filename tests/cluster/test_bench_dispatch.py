@@ -24,5 +24,6 @@ def test_bench_dispatch_prints_every_mode(ray_cluster, tmp_path, capsys):
     tiny = rows[0]
     # The replica sends its batch once and then only reads the core's stream: no message per step.
     assert tiny["replica_to_core_messages"] == 1 and tiny["stream_lag_ms_p50"] >= 0
-    # Rank 0 sends its logits (2 x 512 float32) to the core; the replica gets token ids, never logits.
-    assert tiny["rank0_to_core_bytes_p50"] > 2 * 512 * 4 > 2 * tiny["core_to_replica_bytes_p50"]
+    # Logits (2 x 512 float32 = 4 KB) stay in rank 0, the coordinator: rank 1 replies with its compute
+    # time only, and the replica gets token ids.
+    assert tiny["rank1_to_core_bytes_p50"] < 200 and tiny["core_to_replica_bytes_p50"] < 2 * 512 * 4 / 2

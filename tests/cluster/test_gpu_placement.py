@@ -1,29 +1,28 @@
-"""Where a replica's actors go on GPU nodes: one GPU per worker, and with a draft the coordinator
-shares GPU 0 with rank 0 (the GPU run itself needs a GPU cluster; these are the Ray options)."""
+"""Where a replica's actors go on GPU nodes: one GPU per rank, and the coordinator is rank 0, in bundle
+0 with its GPU, where the draft runs too (the GPU run itself needs a GPU cluster; these are the Ray
+options)."""
 
 from __future__ import annotations
 
 from ray.util.placement_group import PlacementGroup
 
 from warpspec.config import engine_config
-from warpspec.coordinator import DRAFT_GPU_SHARE, coordinator_options, worker_resources
+from warpspec.coordinator import coordinator_options, worker_resources
 
 
-def test_gpu_replica_with_a_draft_shares_gpu_0_between_rank_0_and_the_coordinator():
-    config = engine_config("ckpt", device="cuda", draft="draft", num_workers=4)
+def test_on_gpus_the_coordinator_takes_bundle_0s_whole_gpu_draft_or_not():
+    for draft in ("draft", None):
+        config = engine_config("ckpt", device="cuda", draft=draft, num_workers=4)
+        options = coordinator_options(config, PlacementGroup.empty())
+        assert options["num_gpus"] == 1 and options["num_cpus"] == 0
+        assert options["scheduling_strategy"].placement_group_bundle_index == 0
+        # The coordinator places ranks 1..3 in bundles 1..3, a GPU each.
+        assert [worker_resources(config, rank) for rank in range(1, 4)] == [{"num_gpus": 1, "num_cpus": 0}] * 3
+
+
+def test_on_cpus_the_coordinator_takes_bundle_0s_cpu():
+    config = engine_config("ckpt", draft="draft", num_workers=2)
     options = coordinator_options(config, PlacementGroup.empty())
-    assert options["num_gpus"] == DRAFT_GPU_SHARE and options["num_cpus"] == 0
+    assert options["num_cpus"] == 1 and "num_gpus" not in options
     assert options["scheduling_strategy"].placement_group_bundle_index == 0
-    shares = [worker_resources(config, rank)["num_gpus"] for rank in range(4)]
-    assert shares == [1 - DRAFT_GPU_SHARE, 1, 1, 1]
-    # Bundle 0 holds exactly one GPU: rank 0 plus the coordinator.
-    assert shares[0] + options["num_gpus"] == 1
-
-
-def test_without_a_draft_or_a_gpu_the_coordinator_takes_nothing():
-    plain_gpu = engine_config("ckpt", device="cuda", num_workers=2)
-    assert coordinator_options(plain_gpu, PlacementGroup.empty()) == {"num_cpus": 0}
-    assert worker_resources(plain_gpu, 0) == {"num_gpus": 1, "num_cpus": 0}
-    cpu_with_draft = engine_config("ckpt", draft="draft", num_workers=2)
-    assert coordinator_options(cpu_with_draft, PlacementGroup.empty()) == {"num_cpus": 0}
-    assert worker_resources(cpu_with_draft, 0) == {"num_cpus": 1}
+    assert worker_resources(config, 1) == {"num_cpus": 1}
