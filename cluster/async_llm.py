@@ -4,15 +4,18 @@ Requests are added to and aborted from the engine as they come, on the event loo
 task hands each step's outputs to each request's queue:
 - in-process (one local worker), it runs the engine's steps while anything is unfinished;
 - with Ray workers the engine core steps on its own in the coordinator: the requests added and
-  aborted in one turn of the event loop go to it in one fire-and-forget message, and the task
-  awaits the core's stream of step replies. No blocking call runs on the event loop.
+  aborted in one turn of the event loop go to it in one fire-and-forget message, and a reader
+  thread (RemoteEngine.read_outputs) hands each step's reply to the loop. No blocking call runs on
+  the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -37,6 +40,7 @@ class AsyncLLM:
         self.is_rebuilding = False
         self.core_is_remote = config.parallel.uses_ray  # a RemoteEngine: the core steps in the coordinator
         self.is_send_scheduled = False
+        self.reader: threading.Thread | None = None  # reads the RemoteEngine's replies
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> AsyncLLM:
@@ -93,9 +97,9 @@ class AsyncLLM:
         if self.engine.num_waiting >= limit:
             raise EngineOverloadedError(f"engine overloaded: {limit} requests already waiting "
                                         "(max_waiting_requests); retry later")
+        self.engine.add_sequence(seq)  # raises, with Ray workers, once the engine core is gone
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
-        self.engine.add_sequence(seq)
         self._wake()
         finished = False
         try:
@@ -133,8 +137,8 @@ class AsyncLLM:
         try:
             # Anything still in flight was on the failed engine (a request admitted as it failed).
             self.fail_all(EngineError("the engine failed and is being rebuilt; retry shortly"))
-            await self._stop_loop()  # it reads the old engine
-            old = self.engine
+            await self._stop_loop()  # it steps the old engine
+            old, self.reader = self.engine, None  # the old reader ends with the old engine's stream
             await asyncio.to_thread(old.shutdown)
             self.engine = await asyncio.to_thread(make_engine, self.config)
         finally:
@@ -152,20 +156,34 @@ class AsyncLLM:
             self.loop_task = None
 
     def _wake(self) -> None:
-        if self.loop_task is None or self.loop_task.done():
-            self.wakeup = asyncio.Event()
-            run = self._read_core_replies if self.core_is_remote else self._run_steps
-            self.loop_task = asyncio.get_running_loop().create_task(run())
         if self.core_is_remote:
+            if self.reader is None:
+                engine, loop = self.engine, asyncio.get_running_loop()
+                self.reader = engine.read_outputs(loop, lambda outs, fails: self._deliver_step(outs, fails, engine),
+                                                  lambda error: self._core_ended(error, engine))
             if not self.is_send_scheduled:  # at the end of this turn of the loop: one message for all
                 self.is_send_scheduled = True
-                asyncio.get_running_loop().call_soon(self._send)
-        else:
-            self.wakeup.set()
+                # In no request's context: Serve cancels a request with ray.cancel, which also cancels
+                # the Ray tasks it submitted that have not run yet, and this message carries other
+                # requests' adds too (ray-project/ray#52476; Serve's own long poll does the same).
+                asyncio.get_running_loop().call_soon(self._send, context=contextvars.Context())
+            return
+        if self.loop_task is None or self.loop_task.done():
+            self.wakeup = asyncio.Event()
+            self.loop_task = asyncio.get_running_loop().create_task(self._run_steps())
+        self.wakeup.set()
 
     def _send(self) -> None:
         self.is_send_scheduled = False
-        self.engine.send()
+        try:
+            self.engine.send()
+        except Exception as error:  # noqa: BLE001 - a message that cannot leave must not leave its requests waiting
+            logger.exception("sending requests to the engine core failed")
+            self._fail_streams(error)
+
+    def _core_ended(self, error: Exception, engine) -> None:
+        if engine is self.engine:  # not an engine replaced by rebuild()
+            self._fail_streams(error)
 
     async def _run_steps(self) -> None:
         """In-process: step the engine while anything is unfinished."""
@@ -188,17 +206,9 @@ class AsyncLLM:
             self._deliver_step(outputs, failures)
             await asyncio.sleep(0)  # let the streams and new requests in before the next step
 
-    async def _read_core_replies(self) -> None:
-        """With Ray workers: deliver each step the core reports, until the core is gone."""
-        while True:
-            try:
-                outputs, failures = await self.engine.next_outputs()
-            except Exception as error:  # noqa: BLE001 - the workers or the coordinator are gone
-                self._fail_streams(error)
-                return
-            self._deliver_step(outputs, failures)
-
-    def _deliver_step(self, outputs: list[RequestOutput], failures: list[StepFailedError]) -> None:
+    def _deliver_step(self, outputs: list[RequestOutput], failures: list[StepFailedError], engine=None) -> None:
+        if engine is not None and engine is not self.engine:  # a reply from an engine replaced by rebuild()
+            return
         for error in failures:
             logger.error("an engine step failed; its %d requests fail: %s", len(error.request_ids), error)
             for request_id in error.request_ids:

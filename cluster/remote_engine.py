@@ -3,16 +3,20 @@
 Same surface as LLMEngine for LLM and AsyncLLM (make_sequence, add_sequence, abort, has_unfinished,
 step, stats), but the core steps on its own: the requests added and aborted go to the coordinator
 as they come (send(), fire-and-forget), and each step's new tokens come back on one long-lived
-stream (core_messages.py). step() reads the next reply, blocking; AsyncLLM awaits next_outputs().
+stream (core_messages.py). step() reads the next reply, blocking; for AsyncLLM, read_outputs() reads
+them in a thread of its own and hands each step's outputs to the event loop.
 Requests are validated and tokenized here, so a bad one never reaches the core; OutputAssembler
 rebuilds full outputs from the deltas.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import threading
 import time
+from collections.abc import Callable
 
 from warpspec.config import EngineConfig
 from warpspec.core_messages import CoreInput, RequestDelta, StepReply
@@ -71,6 +75,8 @@ class RemoteEngine:
         return self.validator.new_request(request_id, prompt, params)
 
     def add_sequence(self, request: NewRequest) -> None:
+        if self.failure is not None:  # the core is gone: nothing would ever answer
+            raise self.failure
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = OutputAssembler(request)
@@ -121,11 +127,38 @@ class RemoteEngine:
             raise failures[0]
         return outputs
 
-    async def next_outputs(self) -> tuple[list[RequestOutput], list[StepFailedError]]:
-        """The core's next step, awaited: the outputs, and the requests it dropped with their error."""
-        with self._core_failure_ends_every_request():
-            reply = await self.executor.next_reply_async()
-        return self._take(reply)
+    def read_outputs(self, loop: asyncio.AbstractEventLoop,
+                     on_step: Callable[[list[RequestOutput], list[StepFailedError]], None],
+                     on_end: Callable[[Exception], None]) -> threading.Thread:
+        """Read the core's replies until its stream ends, in a thread of its own that blocks in Ray's
+        wait; each step's outputs reach on_step on loop, where this engine's state is kept, and the
+        stream's end (a dead coordinator or worker, shutdown) reaches on_end there. The read blocks
+        off the loop; each reply is handed over in one call_soon_threadsafe."""
+        def take(reply: StepReply) -> None:
+            on_step(*self._take(reply))
+
+        def end(error: Exception) -> None:
+            if isinstance(error, EngineError):  # the workers or the coordinator are gone: so is every request
+                self.requests.clear()
+                self.failure = error
+            on_end(error)
+
+        def read() -> None:
+            while True:
+                try:
+                    reply = self.executor.next_reply()
+                except Exception as e:  # noqa: BLE001 - handed to the loop, which fails the streams
+                    with contextlib.suppress(RuntimeError):  # the loop closed first: nobody is waiting
+                        loop.call_soon_threadsafe(end, e)
+                    return
+                try:
+                    loop.call_soon_threadsafe(take, reply)
+                except RuntimeError:  # the loop has closed
+                    return
+
+        thread = threading.Thread(target=read, name="core-replies", daemon=True)
+        thread.start()
+        return thread
 
     @contextlib.contextmanager
     def _core_failure_ends_every_request(self):

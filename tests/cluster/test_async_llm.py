@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -200,3 +201,43 @@ def test_step_failed_error_crosses_processes_intact():
     again = pickle.loads(pickle.dumps(error))
     assert again.request_ids == ["a", "b"] and str(again) == str(error)
     assert str(error) == "the engine step running this request failed (ValueError: bad tensor)"
+
+
+def test_requests_cancelled_by_ray_lose_no_message_to_the_engine_core(ray_cluster, checkpoint):
+    """Serve cancels a replica's request with ray.cancel, which also cancels every Ray task that
+    request submitted and that has not run yet. The replica's fire-and-forget message to the core
+    (RemoteEngine.send) once ran in the context of the request that woke it: cancelling a request
+    right after it arrived could take the message with it, carrying other requests' adds, and the
+    core then waited for that message number forever (seen in `warpspec bench load`: 1 ms deadlines).
+    Here an async actor stands in for the replica, and its requests are cancelled as Serve does."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Front:
+        async def start(self, model: str) -> None:
+            self.llm = await AsyncLLM.create(model, dtype="float32", num_workers=1, executor="ray")
+
+        @ray.method(num_returns="streaming")
+        async def stream(self, prompt: list[int]):
+            async for out in self.llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)):
+                yield len(out.token_ids)
+
+        async def complete(self, prompt: list[int]) -> int:
+            outs = [out async for out in self.llm.generate(prompt, GREEDY)]
+            return len(outs[-1].token_ids)
+
+        async def stop(self) -> None:
+            await self.llm.shutdown()
+
+    front = Front.remote()
+    ray.get(front.start.remote(str(checkpoint)))
+    try:
+        for i in range(40):
+            stream = front.stream.remote([1, 2, 3 + i])
+            time.sleep(0.001 * (i % 4))
+            ray.cancel(stream)
+        # Every message the cancelled requests sent reached the core, so this one is not held back.
+        assert ray.get(front.complete.remote([4, 5, 6]), timeout=60) == 16
+    finally:
+        ray.get(front.stop.remote(), timeout=60)
+        ray.kill(front)
