@@ -138,9 +138,13 @@ class RemoteEngine:
             on_step(*self._take(reply))
 
         def end(error: Exception) -> None:
-            if isinstance(error, EngineError):  # the workers or the coordinator are gone: so is every request
-                self.requests.clear()
-                self.failure = error
+            # Whatever ended the stream (a dead worker or coordinator, a bug in the core's loop), the
+            # loop is gone: so is every request, and nothing would answer new ones.
+            if not isinstance(error, EngineError):
+                first_line = (str(error).splitlines() or [""])[0][:200]
+                error = EngineError(f"the engine core stopped ({type(error).__name__}: {first_line})")
+            self.requests.clear()
+            self.failure = error
             on_end(error)
 
         def read() -> None:
