@@ -11,21 +11,13 @@ from ray.util.placement_group import PlacementGroup
 from warpspec.config import EngineConfig
 from warpspec.coordinator import Coordinator, ReplicaInfo
 from warpspec.core_messages import CoreInput, StepReply
-from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
+from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo
 
 
 @ray.remote
 class ShardWorkerActor:
     def __init__(self):
         self.worker: ShardWorker | None = None
-
-    def address_and_free_port(self) -> tuple[str, int]:
-        return address_and_free_port()
-
-    def make_nccl_unique_id(self) -> bytes:
-        from warpspec.workers.comm import make_nccl_unique_id
-
-        return make_nccl_unique_id()
 
     def start(self, config: WorkerConfig) -> WorkerInfo:
         self.worker = ShardWorker(config)

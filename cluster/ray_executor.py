@@ -1,7 +1,7 @@
-"""The executor of a replica on Ray: its coordinator actor (which runs the engine core), the N workers
-that actor drives, and their placement group. RemoteEngine sends the core its requests (submit,
-fire-and-forget) and reads the core's replies from one stream (next_reply); the rest is what
-operators and benchmarks ask of a replica: step timings, process ids."""
+"""The executor of a replica on Ray: its coordinator actor (which runs the engine core and holds rank
+0), the worker actors of ranks 1..N-1 it drives, and their placement group. RemoteEngine sends the
+core its requests (submit, fire-and-forget) and reads the core's replies from one stream
+(next_reply); the rest is what operators and benchmarks ask of a replica: step timings, process ids."""
 
 from __future__ import annotations
 
@@ -54,14 +54,6 @@ class RayExecutor:
         except Exception as e:  # noqa: BLE001 - mapped to the error the replica should see
             raise core_error(e) from None
 
-    async def next_reply_async(self) -> StepReply:
-        """The core's next reply, awaited: the event loop runs on meanwhile."""
-        try:
-            ref = await self.replies.__anext__()
-            return await ref
-        except Exception as e:  # noqa: BLE001 - mapped to the error the replica should see
-            raise core_error(e) from None
-
     def record_timings(self, enabled: bool = True) -> None:
         """Have the coordinator keep each step's DispatchTiming (benchmarks; off by default)."""
         ray.get(self.coordinator.record_timings.remote(enabled))
@@ -98,7 +90,7 @@ class RayExecutor:
 def core_error(error: Exception) -> Exception:
     """What the replica should see for an error reading the core's stream: the core's own error (a
     dead worker's WorkerDiedError, a bug) rather than Ray's wrapper around it."""
-    if isinstance(error, StopIteration | StopAsyncIteration):  # shutdown ended the core's loop
+    if isinstance(error, StopIteration):  # shutdown ended the core's loop
         return EngineError("the engine core has stopped: the replica is shutting down")
     if isinstance(error, RayTaskError) and error.cause is not None and not isinstance(error.cause, RayActorError):
         return error.cause

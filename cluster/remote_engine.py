@@ -143,8 +143,7 @@ class RemoteEngine:
             if not isinstance(error, EngineError):
                 first_line = (str(error).splitlines() or [""])[0][:200]
                 error = EngineError(f"the engine core stopped ({type(error).__name__}: {first_line})")
-            self.requests.clear()
-            self.failure = error
+            self._core_gone(error)
             on_end(error)
 
         def read() -> None:
@@ -170,10 +169,14 @@ class RemoteEngine:
             if self.failure is not None:
                 raise self.failure
             yield
-        except EngineError as e:  # the workers or the coordinator are gone: so is every request
-            self.requests.clear()
-            self.failure = e
+        except EngineError as e:
+            self._core_gone(e)
             raise
+
+    def _core_gone(self, error: EngineError) -> None:
+        """The workers or the coordinator are gone: so is every request, and later ones are refused."""
+        self.requests.clear()
+        self.failure = error
 
     def _take(self, reply: StepReply) -> tuple[list[RequestOutput], list[StepFailedError]]:
         self.core_stats, self.spec_stats = reply.stats, reply.spec_stats
