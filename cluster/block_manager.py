@@ -4,6 +4,10 @@ Pure CPU bookkeeping; the cache tensors live with the runner. A full block is na
 its tokens chained with the hash of the block before it, so equal hashes mean equal prefixes and
 therefore equal keys/values. Blocks nobody holds stay cached until the space is needed, evicted
 least recently freed first.
+
+With an EAGLE-3 draft the block also holds the draft's KV, whose entry at the block's last position
+pairs it with the token after the block (eagle3_proposer.py). Such a block is cached under its hash
+and that next token (key_by_next_token), so it serves only requests that continue it the same way.
 """
 
 from __future__ import annotations
@@ -43,13 +47,15 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 key_by_next_token: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.key_by_next_token = key_by_next_token
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # content hash -> block id
+        self.cached: dict[bytes, int] = {}  # cache key (content hash, see _cache_key) -> block id
         # Blocks held by nobody, least recently freed first; cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.block_tables: dict[str, list[int]] = {}
@@ -73,8 +79,8 @@ class BlockManager:
         self.seq_hashes[seq_id] = []
         if not self.enable_prefix_caching:
             return 0
-        for block_hash in prefix_block_hashes(token_ids[: len(token_ids) - 1], self.block_size):
-            block = self.cached.get(block_hash)
+        for i, block_hash in enumerate(prefix_block_hashes(token_ids[: len(token_ids) - 1], self.block_size)):
+            block = self.cached.get(self._cache_key(block_hash, token_ids, i))
             if block is None:
                 break
             self._take(block)
@@ -108,11 +114,22 @@ class BlockManager:
         for i in range(len(hashes), min(num_computed // self.block_size, len(table))):
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = hash_block(hashes[-1] if hashes else b"", block_tokens)
+            key = self._cache_key(block_hash, token_ids, i)
+            if key is None:  # the token after the block is not known yet
+                break
             hashes.append(block_hash)
             # If equal content is already cached in another block, this copy stays private.
-            if block_hash not in self.cached:
-                self.block_hash[table[i]] = block_hash
-                self.cached[block_hash] = table[i]
+            if key not in self.cached:
+                self.block_hash[table[i]] = key
+                self.cached[key] = table[i]
+
+    def _cache_key(self, block_hash: bytes, token_ids: list[int], index: int) -> bytes | None:
+        """What block `index` of token_ids is cached under: its content hash, followed by the token
+        after it when key_by_next_token (None while that token is unknown)."""
+        if not self.key_by_next_token:
+            return block_hash
+        after = (index + 1) * self.block_size
+        return block_hash + array("q", [token_ids[after]]).tobytes() if after < len(token_ids) else None
 
     def free(self, seq_id: str) -> None:
         """Release seq_id's blocks; the tail goes to the free queue first so that it is evicted

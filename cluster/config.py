@@ -69,6 +69,10 @@ class SpeculativeConfig:
     # layer i), 1 for checkpoints configured in SGLang's convention (one lower for the same layers).
     aux_layer_offset: int = 0
     compile_draft: bool = True  # torch.compile the draft (eager, with a warning, if that fails)
+    # Sampled requests: False verifies by rejection sampling (the most accepted drafts any lossless
+    # scheme gets); True by Gumbel-max coupling, under which a seeded request's tokens equal its
+    # tokens without a draft, at a lower acceptance (rejection_sampler.py).
+    coupled_verification: bool = False
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -114,6 +118,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        k = self.speculative.num_speculative_tokens
+        if self.speculative.enabled and self.scheduler.max_num_batched_tokens < k + 1:
+            # A verification runs the last token and all k drafts in one step, or waits.
+            raise ValueError(f"max_num_batched_tokens must be at least num_speculative_tokens + 1 = {k + 1} "
+                             f"when speculating, got {self.scheduler.max_num_batched_tokens}")
         check_quantization(self.quantization)
 
 
@@ -123,8 +132,8 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
                   executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
                   draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
-                  compile_draft: bool = True, run_dir: str = "runs", enforce_eager: bool = False,
-                  quantization: str | None = None) -> EngineConfig:
+                  compile_draft: bool = True, coupled_verification: bool = False, run_dir: str = "runs",
+                  enforce_eager: bool = False, quantization: str | None = None) -> EngineConfig:
     """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
     return EngineConfig(
         model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
@@ -137,5 +146,6 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                                 placement_timeout_s=placement_timeout_s),
         speculative=SpeculativeConfig(draft=None if draft is None else str(draft),
                                       num_speculative_tokens=num_speculative_tokens,
-                                      aux_layer_offset=aux_layer_offset, compile_draft=compile_draft),
+                                      aux_layer_offset=aux_layer_offset, compile_draft=compile_draft,
+                                      coupled_verification=coupled_verification),
     )

@@ -5,7 +5,13 @@ Position pairing (as in EAGLE and vLLM): the draft at position p reads the targe
 and the token at p + 1, and predicts the token at p + 2. With target tokens [a0 a1 a2] and a freshly
 sampled a3: catch-up runs positions 0..2 on tokens [a1 a2 a3] and predicts d1 (for position 4) from
 the last row; the next step runs position 3 on token d1 with the draft's own pre-norm output as the
-feature, predicting d2; and so on. The draft's KV cache shares the target's block tables.
+feature, predicting d2; and so on. The draft's KV cache shares the target's block tables, so a
+position's draft KV lives in the request's own block and is recomputed with it after a preemption.
+
+The draft's own k - 1 steps write KV past the request's last known token, where the request may
+hold no block yet. Those entries are scratch (the next catch-up overwrites them), so they go to
+scratch blocks at the end of the draft's cache instead of taking blocks from the engine: the number
+of drafts never depends on how full the KV cache is.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch
 
 from warpspec.kernels import PagedAttentionMetadata
 from warpspec.proposer import DraftRequest, Drafts
-from warpspec.sampler import sample_from
+from warpspec.sampler import exponential_noise
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -49,6 +55,7 @@ class Eagle3Proposer:
         self.draft = draft.move_to(self.device)
         self.block_size = block_size
         self.aux_layer_ids = c.aux_layer_ids
+        self.num_blocks = num_blocks  # the engine's; scratch blocks follow them (see _with_scratch)
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
         if compile:
@@ -64,23 +71,48 @@ class Eagle3Proposer:
         logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
         return logits[step.logits_indices], prenorm[step.logits_indices]
 
-    def _choose(self, logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[list[int], torch.Tensor | None]:
-        """Draft-vocab logits [n, draft_vocab] -> target token ids, and the target-vocab
-        distributions they were drawn from (None when every request is greedy)."""
+    def _choose(self, logits: torch.Tensor, requests: list[DraftRequest],
+                step: int) -> tuple[list[int], torch.Tensor | None]:
+        """Draft-vocab logits [n, draft_vocab] -> each request's draft number `step` as a target token
+        id, and the target-vocab distributions they were drawn from (None when every request is
+        greedy or coupled: verification then needs only the tokens)."""
         if all(r.temperature == 0 for r in requests):
             return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), None
-        # Sampling happens on the CPU with per-request CPU generators (seeded requests reproduce on
+        # Sampling happens on the CPU with per-request keyed generators (seeded requests reproduce on
         # any device); the distributions are a few thousand floats per request.
         logits = logits.float().cpu()
         temperature = torch.tensor([r.temperature or 1.0 for r in requests])
         draft_probs = (logits / temperature[:, None]).softmax(dim=-1)
-        choice = sample_from(draft_probs, [r.generator for r in requests])
+        target_vocab = self.draft.embed_tokens.shape[0]
+        target_ids = self.draft.to_target_ids(torch.arange(logits.shape[-1])).cpu()  # [draft_vocab]
+        noise = torch.stack([
+            # Coupled: the target's own noise row at this position, read at the draft vocabulary's ids.
+            exponential_noise([r.draft_generator(step)], target_vocab)[0, target_ids] if r.coupled
+            else exponential_noise([r.draft_generator(step)], logits.shape[-1])[0] for r in requests])
+        choice = (draft_probs / noise).argmax(dim=-1)  # the exponential race of sampler.sample_from
         greedy = torch.tensor([r.temperature == 0 for r in requests])
         choice = torch.where(greedy, logits.argmax(dim=-1), choice)
-        target_vocab = self.draft.embed_tokens.shape[0]
-        probs = torch.zeros(len(requests), target_vocab)
-        probs.index_copy_(1, self.draft.to_target_ids(torch.arange(logits.shape[-1])).cpu(), draft_probs)
+        probs = None
+        if not all(r.coupled or r.temperature == 0 for r in requests):
+            probs = torch.zeros(len(requests), target_vocab)
+            probs.index_copy_(1, target_ids, draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
+
+    def _with_scratch(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's block table, extended with scratch blocks up to the last position its draft
+        steps write (first_position + num_positions + num_drafts - 2)."""
+        tables, next_scratch = [], self.num_blocks
+        for r in requests:
+            last = r.first_position + r.num_positions + r.num_drafts - 2
+            extra = max(0, last // self.block_size + 1 - len(r.block_table))
+            tables.append(r.block_table + list(range(next_scratch, next_scratch + extra)))
+            next_scratch += extra
+        cache = self.draft.kv_cache
+        if next_scratch > cache.shape[1]:  # grows to the largest batch of drafts seen, then stays
+            grown = cache.new_zeros(cache.shape[0], next_scratch, *cache.shape[2:])
+            grown[:, : cache.shape[1]] = cache
+            self.draft.kv_cache = grown
+        return tables
 
     def release(self, request_ids: list[str]) -> None:
         pass  # no per-request state: the draft's KV lives in the request's own blocks
@@ -96,11 +128,12 @@ class Eagle3Proposer:
         rows = torch.cat([torch.arange(r.feature_start, r.feature_start + r.num_positions) for r in requests])
         logits, prenorm = self._run(plan, features[rows.to(self.device)])
         drafts = [Drafts([]) for _ in requests]
+        tables = self._with_scratch(requests)
         active = [i for i, r in enumerate(requests) if r.num_drafts]
         probs_of: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         step = 0
         while active:
-            tokens, probs = self._choose(logits, [requests[i] for i in active])
+            tokens, probs = self._choose(logits, [requests[i] for i in active], step)
             for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
                 drafts[i].token_ids.append(token)
                 if probs is not None:
@@ -110,9 +143,10 @@ class Eagle3Proposer:
             if not keep:
                 break
             active = [active[row] for row in keep]
-            # Draft token j sits at position first_position + num_positions + j - 1.
+            # The step reading draft j (1-based) runs at position first_position + num_positions + j - 1:
+            # the draft pairs position p with the token at p + 1.
             plan = [SequenceStep([drafts[i].token_ids[-1]], requests[i].first_position + requests[i].num_positions
-                                 + step - 1, requests[i].block_table, 0) for i in active]
+                                 + step - 1, tables[i], 0) for i in active]
             logits, prenorm = self._run(plan, prenorm[keep])
         for i, probs in probs_of.items():
             if probs:

@@ -23,6 +23,7 @@ from warpspec.draft_loader import load_eagle3_proposer
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
 from warpspec.executor import make_executor
+from warpspec.keyed_random import KeyedRandom
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import DraftRequest, Proposer
 from warpspec.rejection_sampler import verify_batch
@@ -48,15 +49,18 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.block_size = config.cache.block_size
+        self.proposer = proposer if proposer is not None else self._load_proposer()
+        # The draft's KV at a block's last position pairs it with the token after the block: a
+        # cached block is reusable only by requests that continue it with the same token.
         self.block_manager = BlockManager(self.executor.num_blocks, self.block_size,
-                                          config.scheduler.enable_prefix_caching)
+                                          config.scheduler.enable_prefix_caching,
+                                          key_by_next_token=self.proposer is not None)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.block_manager.num_blocks, self.block_size,
                                           config.seed)
         self.requests: dict[str, Sequence] = {}
-        self.proposer = proposer if proposer is not None else self._load_proposer()
         self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.spec_stats = SpeculationStats()
 
@@ -84,7 +88,7 @@ class LLMEngine:
                                                  request.params.skip_special_tokens)
         params = request.params
         seq = Sequence(request.request_id, request.prompt, list(request.prompt_token_ids), params,
-                       torch.Generator().manual_seed(request.seed), detokenizer,
+                       KeyedRandom(request.seed), detokenizer,
                        logprobs=[] if params.logprobs is not None else None, arrival_time=request.arrival_here())
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
@@ -155,15 +159,16 @@ class LLMEngine:
         output = self.executor.execute(StepInput.build(plan, self.block_size, aux_layer_ids))
         logits = output.logits
 
-        # Rows of `logits` per scheduled sequence, in order.
-        row_starts, row = [], 0
+        # Per scheduled sequence, the row of `logits` at its last known token: the sampled row, or the
+        # first of the k + 1 rows a verification reads.
+        sample_rows, row = [], 0
         for item, p in zip(sched.scheduled, plan, strict=True):
-            row_starts.append(row)
+            sample_rows.append(row + len(p.token_ids) - len(item.draft_token_ids) - 1 - p.logits_from)
             if item.wants_prompt_logprobs:
                 self._record_prompt_logprobs(item, logits[row : row + len(p.token_ids) - p.logits_from],
                                              item.num_cached + p.logits_from)
             row += len(p.token_ids) - p.logits_from
-        emitted = self._choose_tokens(sched.scheduled, plan, row_starts, logits)
+        emitted = self._choose_tokens(sched.scheduled, sample_rows, logits)
 
         num_rejected: dict[str, int] = {}
         outputs, finished = [], []
@@ -197,29 +202,31 @@ class LLMEngine:
         self.spec_stats.step_time_s += time.perf_counter() - step_start
         return outputs
 
-    def _choose_tokens(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], row_starts: list[int],
+    def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int],
                        logits: torch.Tensor) -> list[list[int] | None]:
         """Per scheduled sequence: the tokens to append (one sampled token, or the verified drafts
         plus the correction/bonus), or None when it is mid-prefill."""
         emitted: list[list[int] | None] = [None] * len(scheduled)
         plain = [i for i, item in enumerate(scheduled) if item.samples and not item.draft_token_ids]
         if plain:
-            rows = [row_starts[i] + len(plan[i].token_ids) - plan[i].logits_from - 1 for i in plain]
+            rows = [sample_rows[i] for i in plain]
             seqs = [scheduled[i].seq for i in plain]
-            tokens = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
-                            [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs]).tolist()
+            tokens = sample(logits[rows], [s.params for s in seqs], [s.random for s in seqs],
+                            [s.num_tokens for s in seqs], [s.prompt_token_ids for s in seqs],
+                            [s.output_token_ids for s in seqs]).tolist()
             for i, row, token in zip(plain, rows, tokens, strict=True):
                 emitted[i] = [token]
                 self._record_logprobs(scheduled[i].seq, logits[row : row + 1], [token])
         verifying = [i for i, item in enumerate(scheduled) if item.samples and item.draft_token_ids]
         if verifying:
             seqs = [scheduled[i].seq for i in verifying]
-            verified = verify_batch(logits, [row_starts[i] for i in verifying],
+            verified = verify_batch(logits, [sample_rows[i] for i in verifying],
                                     [scheduled[i].draft_token_ids for i in verifying], [s.draft_probs for s in seqs],
-                                    [s.params for s in seqs], [s.generator for s in seqs])
+                                    [s.params for s in seqs], [s.random for s in seqs], [s.num_tokens for s in seqs],
+                                    coupled=self.config.speculative.coupled_verification)
             for i, seq, tokens in zip(verifying, seqs, verified, strict=True):
                 emitted[i] = tokens
-                self._record_logprobs(seq, logits[row_starts[i] : row_starts[i] + len(tokens)], tokens)
+                self._record_logprobs(seq, logits[sample_rows[i] : sample_rows[i] + len(tokens)], tokens)
         return emitted
 
     def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
@@ -245,28 +252,26 @@ class LLMEngine:
             seq = item.seq
             valid = len(item.token_ids) - num_rejected.get(seq.request_id, 0)
             feature_start, token_start = token_start, token_start + len(item.token_ids)
-            seq.draft_token_ids, seq.draft_probs = [], None
+            if item.samples:  # its drafts were verified; a mid-prefill chunk keeps them for later
+                seq.draft_token_ids, seq.draft_probs = [], None
             if seq.finish_reason is not None:
                 continue
             num_drafts = 0
             if item.samples and not seq.params.has_penalties:
-                # Never past max_model_len, and no more than the output still allowed.
+                # Never past max_model_len, and no more than the output still allowed. Never fewer
+                # because KV blocks are short: a request's steps, and so its seeded tokens, must not
+                # depend on the crowd (the scheduler preempts for the verification's blocks instead).
                 num_drafts = max(0, min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                                         self.max_model_len - seq.num_tokens))
-                # The draft writes its KV up to position num_tokens + num_drafts - 3.
-                if num_drafts > 1 and not self.block_manager.can_allocate(seq.request_id,
-                                                                          seq.num_tokens + num_drafts - 2):
-                    num_drafts = 1
-                if num_drafts > 1:
-                    self.block_manager.allocate(seq.request_id, seq.num_tokens + num_drafts - 2)
             first = item.num_cached
             requests.append(DraftRequest(
                 seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, num_drafts,
                 self.block_manager.block_tables[seq.request_id], seq.params.temperature,
-                seq.generator))
-            live.append(seq)
-        for seq, drafts in zip(live, self.proposer.propose(requests, aux_hidden), strict=True):
-            seq.draft_token_ids, seq.draft_probs = drafts.token_ids, drafts.probs
+                seq.random, self.config.speculative.coupled_verification))
+            live.append(item)
+        for item, drafts in zip(live, self.proposer.propose(requests, aux_hidden), strict=True):
+            if item.samples:
+                item.seq.draft_token_ids, item.seq.draft_probs = drafts.token_ids, drafts.probs
         if self.released:
             self.proposer.release(self.released)
             self.released = []
@@ -278,10 +283,14 @@ class LLMEngine:
 
     def _logits_from(self, item: ScheduledSequence) -> int:
         """First of the step's tokens whose logits are needed: all of them while prompt logprobs are
-        being collected or drafts verified, else only the last one when it is sampled, else none."""
-        if item.wants_prompt_logprobs or item.draft_token_ids:
+        being collected, else the last known token's and the drafts' when it is sampled, else none.
+        A request recomputed after a preemption verifies its drafts after a long chunk: [t0 .. t9 d1 d2]
+        -> logits from t9."""
+        if item.wants_prompt_logprobs:
             return 0
-        return len(item.token_ids) - 1 if item.samples else len(item.token_ids)
+        if not item.samples:
+            return len(item.token_ids)
+        return len(item.token_ids) - len(item.draft_token_ids) - 1
 
     def _fail_all(self) -> None:
         """The replica cannot run steps: drop every request and its blocks, so nothing waits forever."""

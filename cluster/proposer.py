@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from warpspec.keyed_random import KeyedRandom, Purpose
+
 
 @dataclass
 class DraftRequest:
@@ -24,17 +26,26 @@ class DraftRequest:
     num_drafts: int  # draft tokens wanted for the next step; 0 only brings the proposer's state up to date
     block_table: list[int]
     temperature: float  # 0: greedy drafts
-    generator: torch.Generator = field(repr=False)  # the request's own: seeded requests reproduce in any batch
+    random: KeyedRandom = field(repr=False)  # the request's own: seeded requests reproduce in any batch
+    # Coupled verification (rejection_sampler.py): propose with the noise the target samples with.
+    coupled: bool = False
 
     @property
     def num_positions(self) -> int:
         return len(self.token_ids)
 
+    def draft_generator(self, j: int) -> torch.Generator:
+        """The generator draft j (0-based) is drawn with; it sits at position
+        first_position + num_positions + 1 + j (the last token known is at first_position + num_positions)."""
+        return self.random.generator(self.first_position + self.num_positions + 1 + j,
+                                     Purpose.SAMPLE if self.coupled else Purpose.DRAFT)
+
 
 @dataclass
 class Drafts:
     token_ids: list[int]  # target vocabulary ids
-    probs: torch.Tensor | None = None  # [num_drafts, target_vocab] when sampled: what they were drawn from
+    # [num_drafts, target_vocab] when sampled by rejection sampling's rules: what they were drawn from.
+    probs: torch.Tensor | None = None
 
 
 class Proposer(Protocol):

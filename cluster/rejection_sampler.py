@@ -5,28 +5,37 @@ target's own choice (the correction at the first mismatch, or a bonus token afte
 Sampling (Leviathan et al. / Chen et al.): accept draft d with probability min(1, p(d) / q(d)); at the
 first rejection sample from normalise(max(0, p - q)); after k accepts sample the bonus from p. The
 emitted tokens then follow the target's distribution p exactly, whatever the draft's q.
+Coupled (Gumbel-max coupling, `coupled=True`): the draft proposed with the very noise the target
+samples each position with (Purpose.SAMPLE); a draft is accepted exactly when it equals the target's
+sample there, and the target's sample is emitted at the first mismatch. The emitted tokens are then
+the tokens plain sampling draws with the same seed, bit for bit: lossless by construction, and a
+seeded request reads the same with or without a draft. Its acceptance is lower than rejection
+sampling's (which accepts as often as any lossless scheme can), so it is an option.
 """
 
 from __future__ import annotations
 
 import torch
 
-from warpspec.sampler import sample_from, sampling_probs
+from warpspec.keyed_random import KeyedRandom, Purpose
+from warpspec.sampler import exponential_noise, sample_from, sampling_probs
 from warpspec.sampling_params import SamplingParams
 
 
 def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: list[list[int]],
                  draft_probs: list[torch.Tensor | None], params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> list[list[int]]:
+                 randoms: list[KeyedRandom], positions: list[int], coupled: bool = False) -> list[list[int]]:
     """Verify every sequence's drafts at once, with no Python loop over the vocabulary or the drafts.
 
     Sequence i has k_i = len(draft_ids[i]) drafts and k_i + 1 rows of target_logits [num_rows, vocab]
     from row_starts[i]: the positions of [last token, d1, ..., dk]. draft_probs[i] [k_i, vocab] is the
-    q its drafts were sampled from (None for greedy). Returns per sequence the 1..k_i + 1 tokens to
-    append: the accepted drafts, then the correction or bonus token.
+    q its drafts were sampled from (None for greedy, and unused when coupled). positions[i] is the
+    position of sequence i's first draft. Returns per sequence the 1..k_i + 1 tokens to append: the
+    accepted drafts, then the correction or bonus token.
 
-    Each sampled sequence draws k_i uniforms, then one token, from its own generator, so seeded
-    requests stay reproducible whatever else is verified beside them."""
+    Every draw is keyed by its request's seed and the position it decides (keyed_random.py), so
+    seeded requests stay reproducible whatever else is verified beside them and however many drafts
+    a step verifies."""
     num_seqs, device, vocab = len(draft_ids), target_logits.device, target_logits.shape[-1]
     num_drafts = torch.tensor([len(d) for d in draft_ids], device=device)
     k_max = int(num_drafts.max())
@@ -53,30 +62,66 @@ def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: 
         num_s = len(sampled)
         row_params = [params[i] for i in sampled for _ in range(k_max + 1)]
         p = sampling_probs(target_logits[rows[s]].flatten(0, 1), row_params).view(num_s, k_max + 1, vocab)
-        # q, zero at padding and at position k_i (after k_i accepts the bonus comes from p alone).
-        q = torch.zeros(num_s, k_max + 1, vocab, device=device)
-        for row, i in enumerate(sampled):
-            q[row, : len(draft_ids[i])] = draft_probs[i][: len(draft_ids[i])].to(device)
-        uniforms = torch.ones(num_s, k_max, device=device)
-        for row, i in enumerate(sampled):
-            uniforms[row, : len(draft_ids[i])] = torch.rand(len(draft_ids[i]), generator=generators[i]).to(device)
-        d = drafts[s][..., None]
-        p_draft, q_draft = p[:, :k_max].gather(2, d)[..., 0], q[:, :k_max].gather(2, d)[..., 0]
-        accepts = (uniforms * q_draft <= p_draft) & is_draft[s]  # u < p/q without dividing by a q of 0
-        accepted[s] = accepts.long().cumprod(dim=-1).sum(dim=-1)
-        # The final token's distribution: normalise(max(0, p - q)) at the first rejection, p after all accepted.
-        at = accepted[s][:, None, None].expand(num_s, 1, vocab)
-        p_at, q_at = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]
-        residual = (p_at - q_at).clamp(min=0)
-        total = residual.sum(dim=-1, keepdim=True)
-        # p == q up to rounding leaves no residual mass: then p itself is the right distribution.
-        dist = torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny), p_at)
-        final[s] = sample_from(dist, [generators[i] for i in sampled])
+        verify_sampled = _verify_coupled if coupled else _verify_by_rejection
+        accepted[s], final[s] = verify_sampled(p, drafts[s], is_draft[s], [draft_probs[i] for i in sampled],
+                                               [randoms[i] for i in sampled], [positions[i] for i in sampled])
 
     return [d[:a] + [t] for d, a, t in zip(draft_ids, accepted.tolist(), final.tolist(), strict=True)]
 
 
+def _verify_by_rejection(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor,
+                         draft_probs: list[torch.Tensor], randoms: list[KeyedRandom],
+                         positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """p [num_seqs, k_max + 1, vocab] target distributions at each sequence's positions; drafts and
+    is_draft [num_seqs, k_max]. Returns the number of accepted drafts and the final token, per sequence."""
+    num_seqs, k_max, vocab = drafts.shape[0], drafts.shape[1], p.shape[-1]
+    device = p.device
+    num_drafts = is_draft.sum(dim=-1).tolist()
+    # q, zero at padding and at position k_i (after k_i accepts the bonus comes from p alone).
+    q = torch.zeros(num_seqs, k_max + 1, vocab, device=device)
+    uniforms = torch.ones(num_seqs, k_max, device=device)
+    for row, (probs, random, first, k) in enumerate(zip(draft_probs, randoms, positions, num_drafts, strict=True)):
+        if not k:
+            continue
+        q[row, :k] = probs[:k].to(device)
+        uniforms[row, :k] = torch.cat([torch.rand(1, generator=random.generator(first + j, Purpose.ACCEPT))
+                                       for j in range(k)]).to(device)
+    d = drafts[..., None]
+    p_draft, q_draft = p[:, :k_max].gather(2, d)[..., 0], q[:, :k_max].gather(2, d)[..., 0]
+    accepts = (uniforms * q_draft <= p_draft) & is_draft  # u < p/q without dividing by a q of 0
+    accepted = accepts.long().cumprod(dim=-1).sum(dim=-1)
+    # The final token's distribution: normalise(max(0, p - q)) at the first rejection, p after all accepted.
+    at = accepted[:, None, None].expand(num_seqs, 1, vocab)
+    p_at, q_at = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]
+    residual = (p_at - q_at).clamp(min=0)
+    total = residual.sum(dim=-1, keepdim=True)
+    # p == q up to rounding leaves no residual mass: then p itself is the right distribution.
+    dist = torch.where(total > 0, residual / total.clamp(min=torch.finfo(residual.dtype).tiny), p_at)
+    # The bonus token after k_i accepts is what plain sampling would draw at its position.
+    generators = [random.generator(first + a, Purpose.SAMPLE if a == k else Purpose.RESIDUAL)
+                  for random, first, a, k in zip(randoms, positions, accepted.tolist(), num_drafts, strict=True)]
+    return accepted, sample_from(dist, generators)
+
+
+def _verify_coupled(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor,
+                    draft_probs: list[torch.Tensor | None], randoms: list[KeyedRandom],
+                    positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like greedy verification, against the target's own sample at every position instead of its
+    argmax: accept the leading run of drafts equal to it, then emit it."""
+    num_seqs, k_max, vocab = drafts.shape[0], drafts.shape[1], p.shape[-1]
+    num_drafts = is_draft.sum(dim=-1).tolist()
+    # Noise for positions first .. first + k_i; padding rows repeat the last one (never chosen from).
+    generators = [random.generator(first + min(j, k), Purpose.SAMPLE)
+                  for random, first, k in zip(randoms, positions, num_drafts, strict=True) for j in range(k_max + 1)]
+    noise = exponential_noise(generators, vocab).to(p.device).view(num_seqs, k_max + 1, vocab)
+    choices = (p / noise).argmax(dim=-1)  # [num_seqs, k_max + 1], sample_from's race row by row
+    matches = (drafts == choices[:, :k_max]) & is_draft
+    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, choices.gather(1, accepted[:, None])[:, 0]
+
+
 def verify(target_logits: torch.Tensor, draft_ids: list[int], draft_probs: torch.Tensor | None,
-           params: SamplingParams, generator: torch.Generator) -> list[int]:
-    """verify_batch for one sequence: target_logits [k + 1, vocab], draft_probs [k, vocab] or None."""
-    return verify_batch(target_logits, [0], [draft_ids], [draft_probs], [params], [generator])[0]
+           params: SamplingParams, random: KeyedRandom, position: int, coupled: bool = False) -> list[int]:
+    """verify_batch for one sequence: target_logits [k + 1, vocab], draft_probs [k, vocab] or None,
+    its first draft at position."""
+    return verify_batch(target_logits, [0], [draft_ids], [draft_probs], [params], [random], [position], coupled)[0]

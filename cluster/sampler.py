@@ -1,7 +1,7 @@
 """Token sampling, vectorised over the batch with per-row parameters.
 
-Each row draws its randomness from its own torch.Generator, so a seeded request produces the same
-text whatever else shares its batch.
+Each row draws its randomness from its request's KeyedRandom at the position it decides, so a seeded
+request produces the same text whatever else shares its batch and whatever steps came before.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from warpspec.keyed_random import KeyedRandom, Purpose
 from warpspec.outputs import Logprob, PositionLogprobs
 from warpspec.sampling_params import SamplingParams
 
@@ -53,14 +54,16 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
     return logits - presence * (counts > 0) - frequency * counts
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+def sample(logits: torch.Tensor, params: list[SamplingParams], randoms: list[KeyedRandom], positions: list[int],
            prompt_ids: list[list[int]] | None = None, output_ids: list[list[int]] | None = None) -> torch.Tensor:
-    """logits [batch, vocab] float32 -> token ids [batch]. Penalties need each row's prompt and output ids."""
+    """logits [batch, vocab] float32 -> token ids [batch]: row i is the token at positions[i] of its
+    request. Penalties need each row's prompt and output ids."""
     if any(p.has_penalties for p in params):
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
     greedy = logits.argmax(dim=-1)
     if all(p.is_greedy for p in params):
         return greedy
+    generators = [r.generator(p, Purpose.SAMPLE) for r, p in zip(randoms, positions, strict=True)]
     sampled = sample_from(sampling_probs(logits, params), generators)
     is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
     return torch.where(is_greedy, greedy, sampled)
@@ -85,8 +88,14 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def sample_from(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of probs [batch, vocab], each row with its own generator.
     Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i."""
-    noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
-    return (probs / noise.to(probs.device)).argmax(dim=-1)
+    return (probs / exponential_noise(generators, probs.shape[-1]).to(probs.device)).argmax(dim=-1)
+
+
+def exponential_noise(generators: list[torch.Generator], size: int) -> torch.Tensor:
+    """[len(generators), size] Exp(1) draws on the CPU, row i from generators[i]. A proposer that
+    races its draft distribution against the same rows as the target's sampler (coupled
+    verification) proposes exactly the token the target will sample whenever the two agree."""
+    return torch.stack([torch.empty(size).exponential_(generator=g) for g in generators])
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: list[int], num: int,

@@ -7,6 +7,10 @@ chunk), then waiting ones, each prefilling as much as the budget leaves (chunked
 blocks run out, the most recently arrived running sequence is preempted: its blocks are freed and it
 returns to the front of the queue, to recompute its prompt and outputs later (whatever the prefix
 cache still holds is not recomputed).
+
+A sequence's drafts run all together or not at all, and survive a preemption: the step that reaches
+its last known token verifies every draft it has. Its steps, and so its seeded tokens, are then the
+same however full the batch or the cache is.
 """
 
 from __future__ import annotations
@@ -73,8 +77,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            # A decoding sequence also runs its draft tokens: 1 + k positions verified in one step.
-            num_new = min(seq.num_tokens - seq.num_cached + len(seq.draft_token_ids), budget)
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:  # its verification waits for a step with room for all its drafts
+                index += 1
+                continue
             while not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
                 victim = self.running.pop()  # the most recently arrived
                 self._preempt(victim)
@@ -90,8 +96,8 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             self._match_prefix(seq)
-            num_new = min(seq.num_tokens - seq.num_cached, budget)
-            if not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0 or not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
                 # A waiting sequence holds no blocks, or two of them could each hold what the other needs.
                 self.block_manager.free(seq.request_id)
                 seq.num_cached = 0
@@ -115,6 +121,18 @@ class Scheduler:
             seq.num_cached = item.num_cached + len(item.token_ids) - num_rejected.get(seq.request_id, 0)
             self.block_manager.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_cached)
 
+    @staticmethod
+    def _num_new_tokens(seq: Sequence, budget: int) -> int:
+        """Tokens seq runs this step within budget: what is not yet computed, then all of its drafts
+        (1 + k positions verified in one step for a decoding sequence) or none. When the drafts do
+        not fit, the chunk stops one token short of the last known one, so that no step samples where
+        a verification belongs: 5 known + 3 drafts in a budget of 6 -> 4 now, 1 + 3 next step."""
+        num_known = seq.num_tokens - seq.num_cached
+        num_drafts = len(seq.draft_token_ids)
+        if num_known + num_drafts <= budget or not num_drafts:
+            return min(num_known + num_drafts, budget)
+        return min(num_known - 1, budget)
+
     def _schedule(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         self.block_manager.allocate(seq.request_id, seq.num_cached + num_new)
         token_ids = seq.all_token_ids[seq.num_cached : seq.num_cached + num_new]
@@ -131,7 +149,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.request_id)
-        seq.num_cached = 0
-        seq.draft_token_ids, seq.draft_probs = [], None
+        seq.num_cached = 0  # its drafts stay: they are verified once it is recomputed
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from warpspec.keyed_random import KeyedRandom
 from warpspec.outputs import PositionLogprobs, RequestOutput
 from warpspec.sampling_params import SamplingParams
 from warpspec.tokenizer import IncrementalDetokenizer
@@ -18,7 +19,7 @@ class Sequence:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    random: KeyedRandom  # every draw keyed by the request's seed and the position it decides
     detokenizer: IncrementalDetokenizer | None
     output_token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the KV cache
@@ -36,9 +37,10 @@ class Sequence:
     all_token_ids: list[int] = field(init=False)
     num_streamed_tokens: int = 0  # output tokens already handed out as deltas
     num_streamed_chars: int = 0
-    # Speculation: the proposer's drafts for the next step, and what verification made of them.
+    # Speculation: the proposer's drafts for the next step (kept through a preemption, to be verified
+    # when the request is recomputed), and what verification made of them.
     draft_token_ids: list[int] = field(default_factory=list)
-    draft_probs: torch.Tensor | None = None  # [num_drafts, vocab] when the drafts were sampled
+    draft_probs: torch.Tensor | None = None  # [num_drafts, vocab] when sampled by rejection sampling's rules
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

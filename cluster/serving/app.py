@@ -33,7 +33,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     Model and engine:
         model (required): the target checkpoint folder, readable on every node that hosts a replica.
         model_name: the name clients use (OpenAI `model`); default the folder's name.
-        draft: an EAGLE-3 draft folder (speculative decoding); num_speculative_tokens: k (3).
+        draft: an EAGLE-3 draft folder (speculative decoding); num_speculative_tokens: k (3);
+            coupled_verification (false): sampled requests verified by Gumbel-max coupling, so a seeded
+            request's tokens equal its tokens without the draft (fewer drafts accepted).
         num_workers: ranks the model is sharded over, one GPU each (1); executor: "auto" (in the replica
             process for 1 worker, Ray actors otherwise) or "ray" (always a coordinator + worker actors).
         dtype ("auto"), max_model_len (the checkpoint's), device ("cpu"; "cuda" on GPU nodes),

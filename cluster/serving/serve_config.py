@@ -29,6 +29,8 @@ ENGINE_ARGS: dict[str, tuple[type, Any]] = {
     "kv_cache_memory_gib": (float, 1.0), "num_kv_blocks": (int, None), "block_size": (int, 16),
     "max_num_seqs": (int, 256), "max_num_batched_tokens": (int, 2048), "max_waiting_requests": (int, 1024),
     "enable_prefix_caching": (bool, True), "compile_draft": (bool, True), "seed": (int, 0), "run_dir": (str, "runs"),
+    # Sampled requests with a draft: Gumbel-max coupling instead of rejection sampling (rejection_sampler.py).
+    "coupled_verification": (bool, False),
     # How long a new replica waits for its workers' GPUs; on Kubernetes the autoscaler may first have to add a node.
     "placement_timeout_s": (float, 60.0),
     "quantization": (str, None),  # "fp8": FP8 weights, quantized at load (workers/quantization.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from warpspec import SamplingParams
+from warpspec.keyed_random import KeyedRandom
 from warpspec.sampler import apply_top_k_top_p, sample
 
 # Upper 0.1% points of the chi-square distribution (df = categories - 1): a correct sampler fails
@@ -27,8 +28,8 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, n: int, seed: int) -> torch.Tensor:
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
-    tokens = sample(logits.expand(n, -1), [params] * n, generators)
+    randoms = [KeyedRandom(seed + i) for i in range(n)]
+    tokens = sample(logits.expand(n, -1), [params] * n, randoms, [0] * n)
     return torch.bincount(tokens, minlength=logits.shape[-1]).float()
 
 
@@ -50,8 +51,7 @@ def test_top_k_top_p_sampling_follows_the_renormalised_distribution():
 def test_greedy_rows_ignore_randomness_beside_sampled_rows():
     logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0]])
     params = [SamplingParams(temperature=0), SamplingParams(temperature=5.0)]
-    generators = [torch.Generator().manual_seed(s) for s in (1, 2)]
-    assert sample(logits, params, generators)[0].item() == 1
+    assert sample(logits, params, [KeyedRandom(1), KeyedRandom(2)], [0, 0])[0].item() == 1
 
 
 def test_penalties_follow_the_openai_and_vllm_definitions():
@@ -69,7 +69,7 @@ def test_penalties_follow_the_openai_and_vllm_definitions():
 def test_greedy_with_a_repetition_penalty_avoids_the_repeated_token():
     logits = torch.tensor([[3.0, 2.0, 0.0]])
     params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
-    assert sample(logits, params, [torch.Generator()], [[5]], [[0]]).item() == 1  # 3.0 / 2 < 2.0
+    assert sample(logits, params, [KeyedRandom(0)], [2], [[5]], [[0]]).item() == 1  # 3.0 / 2 < 2.0
 
 
 def test_min_p_sampling_follows_the_truncated_distribution():

@@ -11,6 +11,7 @@ from eagle3_checkpoints import make_eagle3_checkpoint
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
+from warpspec.keyed_random import KeyedRandom
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.rejection_sampler import verify
 from warpspec.remote_engine import RemoteEngine
@@ -122,9 +123,9 @@ def test_rejection_sampling_emits_the_target_distribution():
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(5)
     trials = 6000
-    for _ in range(trials):
+    for trial in range(trials):
         draft = int(torch.multinomial(q, 1, generator=generator))
-        tokens = verify(torch.stack([p_logits, p_logits]), [draft], q[None], params, generator)
+        tokens = verify(torch.stack([p_logits, p_logits]), [draft], q[None], params, KeyedRandom(trial), 0)
         counts[tokens[0]] += 1
     expected = torch.softmax(p_logits, -1) * trials
     chi2 = float(((counts - expected) ** 2 / expected).sum())
@@ -208,7 +209,7 @@ class SkewedProposer:
                 continue
             q = torch.zeros(self.vocab)
             q[self.options[r.token_ids[-1]]] = torch.tensor([0.1, 0.2, 0.7])  # the newest token is t1
-            out.append(Drafts([int(torch.multinomial(q, 1, generator=r.generator))], q[None]))
+            out.append(Drafts([int(torch.multinomial(q, 1, generator=r.draft_generator(0)))], q[None]))
         return out
 
     def release(self, request_ids: list[str]) -> None:
