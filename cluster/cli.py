@@ -77,7 +77,7 @@ def _draft_data(args: argparse.Namespace) -> None:
 
 
 BENCHMARKS = {name: f"warpspec.benchmarks.{name}"
-              for name in ("compare", "dispatch", "throughput", "spec", "serve", "gpu_check", "load")}
+              for name in ("compare", "dispatch", "throughput", "spec", "seeds", "serve", "gpu_check", "load")}
 BENCHMARKS["fp8"] = "warpspec.benchmarks.fp8_quality"
 
 
@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--held-out-prompts", help="also write 16 prompts from validation documents to this JSON file")
     data.set_defaults(func=_draft_data)
 
-    bench = commands.add_parser("bench", help="run a benchmark (compare, dispatch, throughput, spec, serve, load, "
-                                              "fp8, gpu_check); `warpspec bench NAME --help`")
+    bench = commands.add_parser("bench", help="run a benchmark (compare, dispatch, throughput, spec, seeds, serve, "
+                                              "load, fp8, gpu_check); `warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)

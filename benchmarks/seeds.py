@@ -1,0 +1,202 @@
+"""`warpspec bench seeds`: seeded sampling with the EAGLE-3 draft, on the bundled pair in float32.
+
+Three measurements, side by side in one run:
+- crowd: requests of every kind (greedy, seeded top-p, stop strings, penalties; half share a long
+  opening) arrive staggered through AsyncLLM on a small engine (40 KV blocks, 48 tokens per step,
+  prefix caching on) and each also runs alone; how many differ from alone, per verification mode;
+- prefix: requests sharing that opening run one after another, prefix caching on vs off: the draft's
+  acceptance length and the prompt tokens the cache supplied;
+- coupling: rejection sampling vs coupled verification at several temperatures, batch 8: acceptance
+  length, tokens/s per user, and whether coupled tokens equal plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+from warpspec.async_llm import AsyncLLM
+from warpspec.llm import LLM
+from warpspec.sampling_params import SamplingParams
+from warpspec.spec_stats import SpeculationStats
+
+MODES = ("none", "rejection", "coupled")
+CROWD_ENGINE = dict(num_kv_blocks=40, max_num_batched_tokens=48)
+
+
+def _options(mode: str, draft: str, k: int) -> dict:
+    if mode == "none":
+        return {}
+    options = dict(draft=draft, num_speculative_tokens=k, compile_draft=False)
+    return options | {"coupled_verification": True} if mode == "coupled" else options
+
+
+def shared_opening() -> list[int]:
+    """BOS and two held-out prompts: 64 tokens that half the crowd starts with."""
+    prompts = held_out_prompts()
+    return prompts[0] + prompts[1][1:]
+
+
+def crowd(num_requests: int, spread_s: float, new_tokens: int, seed: int = 0):
+    """(request id, prompt ids, params, arrival in s) of every sampling kind."""
+    rng, prompts, opening = random.Random(seed), held_out_prompts(), shared_opening()
+    kinds = [dict(temperature=0),
+             dict(temperature=0.8, top_p=0.9),
+             dict(temperature=1.0, top_k=40, stop=["\n\n", ". "]),
+             dict(temperature=0.7, repetition_penalty=1.2)]
+    requests = []
+    for i in range(num_requests):
+        own = prompts[i % len(prompts)]
+        prompt = opening + own[1:] if i % 2 == 0 else own
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, seed=1000 + i, **kinds[i % len(kinds)])
+        requests.append((f"r{i}", prompt, params, rng.uniform(0, spread_s)))
+    return requests
+
+
+async def _run_crowd(engine: AsyncLLM, requests) -> dict[str, list[int]]:
+    async def one(prompt, params, arrival_s):
+        await asyncio.sleep(arrival_s)
+        final = None
+        async for out in engine.generate(prompt, params):
+            final = out
+        return final.token_ids
+
+    try:
+        outs = await asyncio.gather(*[one(prompt, params, arrival) for _, prompt, params, arrival in requests])
+    finally:
+        await engine.shutdown()
+    return {rid: tokens for (rid, *_), tokens in zip(requests, outs, strict=True)}
+
+
+def measure_crowd(target: str, draft: str, k: int, modes: list[str], args) -> list[dict]:
+    requests = crowd(args.crowd_requests, args.spread_s, args.new_tokens)
+    alone: dict[str, dict[str, list[int]]] = {}
+    rows = []
+    for mode in modes:
+        reference = "none" if mode == "coupled" else mode  # coupled promises plain decoding's tokens
+        if reference not in alone:
+            with LLM(target, dtype="float32", enable_prefix_caching=False, **_options(reference, draft, k)) as llm:
+                alone[reference] = {rid: llm.generate([prompt], params)[0].token_ids
+                                    for rid, prompt, params, _ in tqdm(requests, desc=f"alone ({reference})")}
+        engine = AsyncLLM.from_options(target, dtype="float32", **CROWD_ENGINE, **_options(mode, draft, k))
+        got = asyncio.run(_run_crowd(engine, requests))
+        differ = [rid for rid, *_ in requests if got[rid] != alone[reference][rid]]
+        rows.append({"mode": mode, "compared_with": f"alone, {'no draft' if reference == 'none' else reference}",
+                     "requests": len(requests), "differ": len(differ), "differing_ids": differ})
+    return rows
+
+
+def measure_prefix(target: str, draft: str, k: int, args) -> list[dict]:
+    prompts, opening = held_out_prompts(), shared_opening()
+    rows = []
+    for temperature in (0.0, 0.7):
+        tokens = {}
+        for caching in (False, True):
+            with LLM(target, dtype="float32", enable_prefix_caching=caching, **_options("rejection", draft, k)) as llm:
+                outs = [llm.generate([opening + own[1:]], SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
+                                                                         temperature=temperature, seed=i))[0]
+                        for i, own in enumerate(prompts[: args.prefix_requests])]
+                acceptance_length = llm.engine.spec_stats.acceptance_length
+            tokens[caching] = [o.token_ids for o in outs]
+            rows.append({"temperature": temperature, "prefix_caching": caching,
+                         "acceptance_length": acceptance_length,
+                         "cached_prompt_tokens": sum(o.metrics["cached_prompt_tokens"] for o in outs),
+                         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                         "same_tokens_as_without_caching": tokens[caching] == tokens[False]})
+    return rows
+
+
+def _rate(llm: LLM, prompts, params, repeats: int):
+    llm.generate(prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * len(prompts))  # warm up
+    llm.engine.spec_stats = SpeculationStats()  # count the measured runs only
+    walls, outs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        walls.append(time.perf_counter() - start)
+    return params[0].max_tokens / sorted(walls)[len(walls) // 2], [o.token_ids for o in outs]
+
+
+def measure_coupling(target: str, draft: str, k: int, args) -> list[dict]:
+    prompts = held_out_prompts()[: args.batch]
+    rows = []
+    with LLM(target, dtype="float32") as plain, \
+            LLM(target, dtype="float32", **_options("rejection", draft, k)) as rejection, \
+            LLM(target, dtype="float32", **_options("coupled", draft, k)) as coupled:
+        for temperature in [float(t) for t in args.temperatures.split(",")]:
+            params = [SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i, ignore_eos=True)
+                      for i in range(len(prompts))]
+            plain_rate, plain_tokens = _rate(plain, prompts, params, args.repeats)
+            rejection_rate, _ = _rate(rejection, prompts, params, args.repeats)
+            coupled_rate, coupled_tokens = _rate(coupled, prompts, params, args.repeats)
+            rows.append({"temperature": temperature, "batch": len(prompts), "plain_tokens_per_s_per_user": plain_rate,
+                         "rejection_tokens_per_s_per_user": rejection_rate,
+                         "rejection_acceptance_length": rejection.engine.spec_stats.acceptance_length,
+                         "coupled_tokens_per_s_per_user": coupled_rate,
+                         "coupled_acceptance_length": coupled.engine.spec_stats.acceptance_length,
+                         "coupled_same_tokens_as_plain": coupled_tokens == plain_tokens})
+    return rows
+
+
+def tables(results: dict) -> str:
+    lines = []
+    if "crowd" in results:
+        lines += ["| verification | compared with | requests whose tokens differ |", "|---|---|---|"]
+        lines += [f"| {r['mode']} | {r['compared_with']} | {r['differ']}/{r['requests']} |" for r in results["crowd"]]
+        lines.append("")
+    if "prefix" in results:
+        lines += ["| temperature | prefix caching | prompt tokens from the cache | acceptance length | same tokens |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['temperature']} | {'on' if r['prefix_caching'] else 'off'} | {r['cached_prompt_tokens']}/"
+                  f"{r['prompt_tokens']} | {r['acceptance_length']:.3f} | {r['same_tokens_as_without_caching']} |"
+                  for r in results["prefix"]]
+        lines.append("")
+    if "coupling" in results:
+        lines += ["| temperature | batch | plain tok/s/user | rejection: acceptance, tok/s/user "
+                  "| coupled: acceptance, tok/s/user | coupled tokens = plain tokens |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['temperature']} | {r['batch']} | {r['plain_tokens_per_s_per_user']:.1f} "
+                  f"| {r['rejection_acceptance_length']:.2f}, {r['rejection_tokens_per_s_per_user']:.1f} "
+                  f"| {r['coupled_acceptance_length']:.2f}, {r['coupled_tokens_per_s_per_user']:.1f} "
+                  f"| {r['coupled_same_tokens_as_plain']} |" for r in results["coupling"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="warpspec bench seeds", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(BUNDLED_TARGET))
+    parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--sections", default="crowd,prefix,coupling")
+    parser.add_argument("--modes", default=",".join(MODES), help="verification modes of the crowd section")
+    parser.add_argument("--crowd-requests", type=int, default=40)
+    parser.add_argument("--spread-s", type=float, default=3.0, help="arrivals spread over this many seconds")
+    parser.add_argument("--prefix-requests", type=int, default=8)
+    parser.add_argument("--temperatures", default="0.7,1.0")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--run-dir", default="runs")
+    args = parser.parse_args(argv)
+    sections, k = args.sections.split(","), args.num_speculative_tokens
+    results: dict[str, list[dict]] = {}
+    if "crowd" in sections:
+        results["crowd"] = measure_crowd(args.target, args.draft, k, args.modes.split(","), args)
+    if "prefix" in sections:
+        results["prefix"] = measure_prefix(args.target, args.draft, k, args)
+    if "coupling" in sections:
+        results["coupling"] = measure_coupling(args.target, args.draft, k, args)
+    table = tables(results)
+    print(f"target {args.target}, draft {args.draft}, k={k}, float32, {args.new_tokens} new tokens\n\n{table}")
+    out = Path(args.run_dir, "bench")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seeds.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "seeds.md").write_text(table + "\n")
+    print(f"\nwrote {out / 'seeds.json'} and seeds.md")
+    return 0

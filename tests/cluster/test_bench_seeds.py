@@ -1,0 +1,24 @@
+"""The seeded-speculation benchmark runs its three sections on the bundled pair and writes its tables
+(figures are not asserted; the tokens it compares are, in test_seeded_speculation.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from warpspec.benchmarks import seeds
+
+
+@pytest.mark.slow
+def test_bench_seeds_prints_its_tables(tmp_path, capsys):
+    assert seeds.main(["--crowd-requests", "4", "--spread-s", "0.2", "--prefix-requests", "2", "--batch", "2",
+                       "--temperatures", "1.0", "--new-tokens", "6", "--repeats", "1", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| coupled | alone, no draft |" in out and "| 1.0 | 2 |" in out
+    results = json.loads((tmp_path / "bench" / "seeds.json").read_text())
+    assert [r["mode"] for r in results["crowd"]] == ["none", "rejection", "coupled"]
+    assert [(r["temperature"], r["prefix_caching"]) for r in results["prefix"]] == [
+        (0.0, False), (0.0, True), (0.7, False), (0.7, True)]
+    assert all(r["same_tokens_as_without_caching"] for r in results["prefix"])
+    assert results["coupling"][0]["coupled_same_tokens_as_plain"]
