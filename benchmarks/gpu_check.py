@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,15 +57,20 @@ def main(argv: list[str] | None = None) -> int:
     report["bandwidth"] = kernel_check.bandwidth_rows(results, copy_gbs)
     if not args.skip_simulation:
         shape = maverick_rank.RankShape.tiny() if args.tiny else maverick_rank.RankShape()
-        try:
-            simulation = maverick_rank.run_simulation(shape, device, max(3, repeats // 5))
-            report["simulation"] = simulation["rows"]
-            report["projection"] = {
-                f"{us:g}us": maverick_rank.project(simulation["rows"], copy_gbs, shape.num_layers, us,
-                                                   args.acceptance_length)
-                for us in sorted({args.allreduce_us, 5.0, 20.0})}
-        except Exception as e:  # report what ran; a failure here must not lose parts 1 and 2
-            report["errors"].append(f"simulation: {type(e).__name__}: {str(e)[:500]}")
+        report["simulation"] = []
+        for layout in ("tensor", "expert"):  # one rank model at a time: each holds the whole rank's experts
+            try:
+                simulation = maverick_rank.run_simulation(replace(shape, moe_parallel=layout), device,
+                                                          max(3, repeats // 5))
+                report["simulation"] += simulation["rows"]
+            except Exception as e:  # report what ran; a failure here must not lose parts 1 and 2
+                report["errors"].append(f"simulation ({layout}): {type(e).__name__}: {str(e)[:500]}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        report["projection"] = {
+            f"{us:g}us": maverick_rank.project(report["simulation"], copy_gbs, shape.num_layers, us,
+                                               args.acceptance_length)
+            for us in sorted({args.allreduce_us, 5.0, 20.0})}
     report["acceptance_length"] = args.acceptance_length
     report["allreduce_us"] = args.allreduce_us
     report["wall_s"] = time.perf_counter() - started
@@ -94,21 +100,23 @@ def render(report: dict) -> str:
         lines.append(f"| {b['kernel']} | {b['bytes']:,} | {b['triton_ms']:.4f} | {b['achieved_gbs']:.0f} | "
                      f"{b['fraction_of_copy']:.0%} |")
     if "simulation" in report:
-        lines += ["", "One Maverick rank of 8 (FP8 weights, busiest rank: every token routed to its experts):", "",
-                  "| batch | tokens/seq | eager ms | CUDA graph ms | MB read | floor ms at copy bandwidth |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "One Maverick rank of 8 (FP8 weights), routed experts split by width over the 8 ranks "
+                  "(tensor) or 16 whole ones per rank (expert, the busiest rank: every token routed to its experts):",
+                  "", "| experts | batch | tokens/seq | eager ms | CUDA graph ms | MB read "
+                  "| floor ms at copy bandwidth |", "|---|---|---|---|---|---|---|"]
         for r in report["simulation"]:
             graph = f"{r['graph_ms']:.3f}" if "graph_ms" in r else r.get("graph_error", "n/a (CPU)")
             floor = r["total_gb"] / report["copy_bandwidth_gbs"] * 1e3
-            lines.append(f"| {r['batch']} | {r['query_len']} | {r['eager_ms']:.3f} | {graph} | "
+            lines.append(f"| {r['moe_parallel']} | {r['batch']} | {r['query_len']} | {r['eager_ms']:.3f} | {graph} | "
                          f"{r['total_gb'] * 1e3:,.1f} | {floor:.3f} |")
         lines += ["", f"Projection on 8 GPUs: rank time + 2 all-reduces x layers at the stated latency; a verify "
                   f"step yields {report['acceptance_length']} tokens (acceptance length), a decode step 1.", "",
-                  "| all-reduce latency | batch | tokens/seq | step ms | tokens/s per user |", "|---|---|---|---|---|"]
+                  "| all-reduce latency | experts | batch | tokens/seq | step ms | tokens/s per user |",
+                  "|---|---|---|---|---|---|"]
         for latency, rows in report["projection"].items():
             for p in rows:
                 step_ms = p["rank_ms"] + p["allreduce_ms"]
-                lines.append(f"| {latency} | {p['batch']} | {p['query_len']} | {step_ms:.3f} | "
+                lines.append(f"| {latency} | {p['moe_parallel']} | {p['batch']} | {p['query_len']} | {step_ms:.3f} | "
                              f"{p['tok_s_per_user']:.0f} |")
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in report["errors"]]]

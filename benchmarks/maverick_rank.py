@@ -1,11 +1,13 @@
 """Part 3 of the GPU check: one rank of Llama 4 Maverick on 8 GPUs, simulated on one GPU.
 
 The rank's shard is built as a one-rank model with the shard's widths (40 query / 8 KV heads -> 5 / 1,
-dense MLP 16384 -> 2048, shared expert 8192 -> 1024, vocabulary 202048 -> 25256 rows, 16 of the 128
-experts at full width 8192), in FP8 with random weights (embeddings, lm_head, norms and router in
-bf16). The all-reduces the real rank would run are absent here; the projection adds them back at a
-stated NVLink latency. Routing picks among the rank's own 16 experts, so every token lands on this
-rank: the time of the busiest rank, an upper bound for the others.
+dense MLP 16384 -> 2048, shared expert 8192 -> 1024, vocabulary 202048 -> 25256 rows), in FP8 with
+random weights (embeddings, lm_head, norms and router in bf16), in either layout of the routed
+experts: all 128 at 1/8 of their width 8192 (moe_parallel="tensor"), or 16 of them whole
+("expert"). The all-reduces the real rank would run are absent here; the projection adds them back
+at a stated NVLink latency. Routing picks among the rank's own experts, so every token lands on this
+rank: exact for the tensor layout (every rank computes every token), the busiest rank for the expert
+layout (an upper bound for the others).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RankShape:
     vocab: int = 202048
     moe_step: int = 2
     context: int = 4096  # tokens already in the KV cache of every sequence
+    moe_parallel: str = "tensor"  # the routed experts' layout (see the module docstring)
 
     @classmethod
     def tiny(cls) -> RankShape:
@@ -48,12 +51,15 @@ class RankShape:
                    dense_inter=256, vocab=4096, context=40)
 
     def shard_config(self) -> ModelConfig:
+        split_by_width = self.moe_parallel == "tensor"
         raw = {
             "architectures": ["Llama4ForCausalLM"], "vocab_size": self.vocab // WORLD_SIZE,
-            "hidden_size": self.hidden, "intermediate_size": self.expert_inter,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.expert_inter // WORLD_SIZE if split_by_width else self.expert_inter,
             "intermediate_size_mlp": self.dense_inter // WORLD_SIZE, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.heads // WORLD_SIZE, "num_key_value_heads": self.kv_heads // WORLD_SIZE,
-            "head_dim": self.head_dim, "num_local_experts": self.experts // WORLD_SIZE, "num_experts_per_tok": 1,
+            "head_dim": self.head_dim, "num_experts_per_tok": 1,
+            "num_local_experts": self.experts if split_by_width else self.experts // WORLD_SIZE,
             "interleave_moe_layer_step": self.moe_step, "use_qk_norm": False, "attention_chunk_size": 8192,
             "rope_theta": 500000.0, "tie_word_embeddings": False, "max_position_embeddings": 1 << 20,
         }
@@ -67,7 +73,7 @@ def build_rank(shape: RankShape, device: torch.device, dtype=torch.bfloat16) -> 
     with torch.device(device):
         model = Llama4ForCausalLM(config, dtype)
         for layer in model.model.layers:  # the shared expert is tensor-parallel: 1/8 of its width
-            if hasattr(layer.feed_forward, "shared_expert"):
+            if hasattr(layer.feed_forward, "shared_expert") and shape.moe_parallel == "expert":
                 layer.feed_forward.shared_expert = Llama4MLP(shape.hidden, shape.expert_inter // WORLD_SIZE,
                                                              model.comm, dtype)
     convert_to_fp8(model, is_online_fp8_module)
@@ -93,7 +99,7 @@ def _fill_random(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
 def bytes_per_step(model: Llama4ForCausalLM, shape: RankShape, num_tokens: int, batch: int) -> dict[str, float]:
     """What one step must read from memory: every weight but the routed experts, the experts the
     step's tokens choose (expected distinct count for uniform top-1 routing over the rank's E experts:
-    E * (1 - (1 - 1/E)^n)), and the sequences' KV cache."""
+    E * (1 - (1 - 1/E)^n); E is 128 slices of 1/8 width, or 16 whole experts), and the sequences' KV cache."""
     expert_bytes, other_bytes = 0, 0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
@@ -101,13 +107,14 @@ def bytes_per_step(model: Llama4ForCausalLM, shape: RankShape, num_tokens: int, 
             expert_bytes += size
         else:
             other_bytes += size
-    num_local = shape.experts // WORLD_SIZE
+    num_local = model.config.num_local_experts
     distinct = num_local * (1 - (1 - 1 / num_local) ** num_tokens)
     kv_bytes = (2 * batch * shape.context * (shape.kv_heads // WORLD_SIZE) * shape.head_dim * 2
                 * shape.num_layers)
     total = other_bytes + expert_bytes * distinct / num_local + kv_bytes
-    return {"dense_weights_gb": other_bytes / 1e9, "all_expert_weights_gb": expert_bytes / 1e9,
-            "expected_distinct_experts": distinct, "kv_cache_gb": kv_bytes / 1e9, "total_gb": total / 1e9}
+    return {"moe_parallel": shape.moe_parallel, "dense_weights_gb": other_bytes / 1e9,
+            "all_expert_weights_gb": expert_bytes / 1e9, "expected_distinct_experts": distinct,
+            "kv_cache_gb": kv_bytes / 1e9, "total_gb": total / 1e9}
 
 
 @torch.inference_mode()
@@ -153,13 +160,13 @@ def project(rows: list[dict], copy_gbs: float, num_layers: int, allreduce_us: fl
     """Tokens/s per user on 8 GPUs: each step is the measured rank time plus 2 all-reduces per layer;
     a verify step of k+1 tokens yields `acceptance_length` tokens on average, a decode step one."""
     out = []
-    by_shape = {(r["batch"], r["query_len"]): r for r in rows}
-    for (batch, q), r in sorted(by_shape.items()):
+    for r in rows:
+        batch, q = r["batch"], r["query_len"]
         measured = r.get("graph_ms", r["eager_ms"])
         comm_ms = 2 * num_layers * allreduce_us / 1e3
         tokens = acceptance_length if q > 1 else 1.0
         floor_ms = r["total_gb"] / copy_gbs * 1e3
-        out.append({"batch": batch, "query_len": q, "rank_ms": measured, "floor_ms": floor_ms,
-                    "fraction_of_floor": floor_ms / measured, "allreduce_ms": comm_ms,
+        out.append({"moe_parallel": r["moe_parallel"], "batch": batch, "query_len": q, "rank_ms": measured,
+                    "floor_ms": floor_ms, "fraction_of_floor": floor_ms / measured, "allreduce_ms": comm_ms,
                     "tokens_per_step": tokens, "tok_s_per_user": tokens / (measured + comm_ms) * 1e3})
     return out

@@ -79,6 +79,7 @@ def _draft_data(args: argparse.Namespace) -> None:
 BENCHMARKS = {name: f"warpspec.benchmarks.{name}"
               for name in ("compare", "dispatch", "throughput", "spec", "seeds", "serve", "gpu_check", "load")}
 BENCHMARKS["fp8"] = "warpspec.benchmarks.fp8_quality"
+BENCHMARKS["moe"] = "warpspec.benchmarks.moe_parallel"
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(func=_draft_data)
 
     bench = commands.add_parser("bench", help="run a benchmark (compare, dispatch, throughput, spec, seeds, serve, "
-                                              "load, fp8, gpu_check); `warpspec bench NAME --help`")
+                                              "load, fp8, moe, gpu_check); `warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)

@@ -28,6 +28,7 @@ EXECUTORS = ("auto", "local", "ray")
 DISPATCH_MODES = ("compiled", "actor")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 COMM_BACKENDS = ("auto", "gloo", "nccl")
+MOE_PARALLEL_MODES = ("tensor", "expert")
 
 
 @dataclass
@@ -41,6 +42,10 @@ class ParallelConfig:
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
     comm_backend: str = "auto"  # gloo on CPU, nccl on GPU
+    # Routed experts: "tensor" splits every expert's intermediate width over all ranks (each rank reads
+    # 1/N of every chosen expert: the least time per step at small batches); "expert" gives each rank
+    # whole experts (no rank reads a chosen expert's slices, but the rank that owns it reads all of it).
+    moe_parallel: str = "tensor"
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
@@ -48,7 +53,8 @@ class ParallelConfig:
         for name, value, allowed in (("executor", self.executor, EXECUTORS),
                                      ("dispatch", self.dispatch, DISPATCH_MODES),
                                      ("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES),
-                                     ("comm_backend", self.comm_backend, COMM_BACKENDS)):
+                                     ("comm_backend", self.comm_backend, COMM_BACKENDS),
+                                     ("moe_parallel", self.moe_parallel, MOE_PARALLEL_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.executor == "local" and self.num_workers > 1:
@@ -131,6 +137,7 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                   max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
                   executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
+                  moe_parallel: str = "tensor",
                   draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
                   compile_draft: bool = True, coupled_verification: bool = False, run_dir: str = "runs",
                   enforce_eager: bool = False, quantization: str | None = None) -> EngineConfig:
@@ -143,7 +150,7 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                                   enable_prefix_caching=enable_prefix_caching,
                                   max_waiting_requests=max_waiting_requests),
         parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
-                                placement_timeout_s=placement_timeout_s),
+                                placement_timeout_s=placement_timeout_s, moe_parallel=moe_parallel),
         speculative=SpeculativeConfig(draft=None if draft is None else str(draft),
                                       num_speculative_tokens=num_speculative_tokens,
                                       aux_layer_offset=aux_layer_offset, compile_draft=compile_draft,

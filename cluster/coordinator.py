@@ -78,7 +78,7 @@ class Coordinator:
         self.parallel = config.parallel
         self.is_gpu = config.device.startswith("cuda")
         self.model_config = ModelConfig.from_pretrained(config.model)
-        check_parallel_layout(self.model_config, self.parallel.num_workers)
+        check_parallel_layout(self.model_config, self.parallel.num_workers, self.parallel.moe_parallel)
         self.placement_group = placement_group
         self.workers, self.graph, self.rank0 = [], None, None  # self.workers: ranks 1..N-1
         # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
@@ -124,7 +124,8 @@ class Coordinator:
         threads = 0 if self.is_gpu else max(1, min(os.cpu_count() or 1, cpus) // self.parallel.num_workers)
         configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
                                 self._comm_init(rank, address, port, nccl_id), self.config.device, threads,
-                                self.config.cuda_graph_config(), self.config.quantization)
+                                self.config.cuda_graph_config(), self.config.quantization,
+                                self.parallel.moe_parallel)
                    for rank in range(self.parallel.num_workers)]
         # Every rank must enter the group together: start the others, join here, then wait for them.
         started = [w.start.remote(c) for w, c in zip(self.workers, configs[1:], strict=True)]

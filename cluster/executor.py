@@ -12,7 +12,8 @@ from warpspec.workers.step import StepInput
 class LocalExecutor:
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device,
-                                  cuda_graphs=config.cuda_graph_config(), quantization=config.quantization)
+                                  cuda_graphs=config.cuda_graph_config(), quantization=config.quantization,
+                                  moe_parallel=config.parallel.moe_parallel)
         self.model_config = self.runner.config
         self.num_blocks = self.runner.num_blocks
 

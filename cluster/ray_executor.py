@@ -26,7 +26,7 @@ class RayExecutor:
 
         # Reject an impossible split from config.json alone, before Ray or any weight is touched.
         self.model_config = ModelConfig.from_pretrained(config.model)
-        check_parallel_layout(self.model_config, config.parallel.num_workers)
+        check_parallel_layout(self.model_config, config.parallel.num_workers, config.parallel.moe_parallel)
         connect_ray(config.run_dir)
         # Placed here, not in the coordinator, so the group outlives a coordinator that dies (place_workers).
         self.placement_group = place_workers(config)

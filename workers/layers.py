@@ -82,22 +82,26 @@ def load_rows(param: nn.Parameter, loaded: CheckpointTensor, name: str, rows: sl
 
 
 def load_experts(param: nn.Parameter, loaded: CheckpointTensor, name: str, first: int,
-                 scale: nn.Parameter | None = None) -> None:
-    """param [num_local, in, out] = loaded[first : first + num_local]. FP8 experts are quantized per
-    output channel (over the input dim) one expert at a time, so the float32 copy that quantizing
-    makes stays one expert's size."""
+                 scale: nn.Parameter | None = None, rows: slice = slice(None), cols: slice = slice(None),
+                 into: slice = slice(None)) -> None:
+    """param[:, :, into] [num_local, in, out] = loaded[first : first + num_local, rows, cols]. FP8
+    experts are quantized per output channel (over the rows read) one expert at a time, so the
+    float32 copy that quantizing makes stays one expert's size."""
     num_local = param.shape[0]
     if param.dtype != FP8_DTYPE:
-        load_rows(param, loaded, name, slice(None), slice(first, first + num_local))
+        data = loaded.read(slice(first, first + num_local), rows, cols)
+        if data.dtype == FP8_DTYPE:
+            raise CheckpointError(f"{name} is float8_e4m3fn, but warpspec keeps this module in full precision")
+        param.data[:, :, into].copy_(data)
         return
     for e in range(num_local):
-        data = loaded.read(slice(first + e, first + e + 1))[0]
+        data = loaded.read(slice(first + e, first + e + 1), rows, cols)[0]
         if data.dtype == FP8_DTYPE:
-            param.data[e].copy_(data)
+            param.data[e, :, into].copy_(data)
         else:
             weight, weight_scale = quantize_fp8_columns(data.to(param.device))
-            param.data[e].copy_(weight)
-            scale.data[e].copy_(weight_scale)
+            param.data[e, :, into].copy_(weight)
+            scale.data[e, into].copy_(weight_scale)
 
 
 def load_scale_rows(param: nn.Parameter, loaded: CheckpointTensor, name: str, rows: slice, full_rows: int,

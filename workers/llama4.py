@@ -3,8 +3,9 @@
 Knows nothing of serving: `forward(input_ids, positions, step)` runs one flat ragged batch and
 returns the final hidden states; logits are computed separately for the rows that need them.
 Sharded over `comm.world_size` ranks: attention heads and MLP widths tensor-parallel, routed experts
-expert-parallel, vocabulary split. Every reduction is one `allreduce_residual_rmsnorm`, two per
-decoder layer (after attention, after the feed-forward).
+split by width too (moe_parallel="tensor") or whole (moe_parallel="expert"), vocabulary split. Every
+reduction is one `allreduce_residual_rmsnorm`, two per decoder layer (after attention, after the
+feed-forward).
 """
 
 from __future__ import annotations
@@ -124,44 +125,80 @@ class Llama4MLP(nn.Module):
 
 
 class Llama4Experts(nn.Module):
-    """Routed experts in the checkpoint's fused layout, gate_up_proj [E, H, 2I] and down_proj [E, I, H],
-    expert-parallel: this rank holds experts [first_expert, end_expert) (6 over 4 ranks: 2, 2, 1, 1).
+    """Routed experts in the checkpoint's fused layout, gate_up_proj [E, H, 2I] and down_proj [E, I, H].
     FP8 experts (workers/quantization.py) add per-output-channel scales gate_up_proj_scale [E, 2I]
-    and down_proj_scale [E, H] (fbgemm checkpoints store them as [E, 1, 2I] and [E, H, 1])."""
+    and down_proj_scale [E, H] (fbgemm checkpoints store them as [E, 1, 2I] and [E, H, 1]).
 
-    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
+    moe_parallel="tensor": every rank holds every expert's slice of the intermediate width, as the
+    shared expert is split: gate and up columns [r * I/N, (r + 1) * I/N) side by side, and the same
+    rows of down_proj. Each rank reads 1/N of every chosen expert and returns a partial sum that the
+    layer's all-reduce completes. moe_parallel="expert": this rank holds whole experts [first_expert,
+    end_expert) (6 over 4 ranks: 2, 2, 1, 1); the rank owning a chosen expert reads all of it."""
+
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype, moe_parallel: str = "tensor"):
         super().__init__()
-        self.num_experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
-        self.first_expert, self.end_expert = even_split(self.num_experts, comm.world_size, comm.rank)
+        self.num_experts, hidden, self.inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.is_tensor_parallel = moe_parallel == "tensor"
+        if self.is_tensor_parallel:
+            self.first_expert, self.end_expert = 0, self.num_experts
+            local_inter = self.inter // comm.world_size
+            self.inter_cols = (comm.rank * local_inter, (comm.rank + 1) * local_inter)
+        else:
+            self.first_expert, self.end_expert = even_split(self.num_experts, comm.world_size, comm.rank)
+            local_inter = self.inter
+            self.inter_cols = (0, self.inter)
         num_local = self.end_expert - self.first_expert
-        self.gate_up_proj = empty_param(num_local, hidden, 2 * inter, dtype=dtype)
-        self.down_proj = empty_param(num_local, inter, hidden, dtype=dtype)
+        self.gate_up_proj = empty_param(num_local, hidden, 2 * local_inter, dtype=dtype)
+        self.down_proj = empty_param(num_local, local_inter, hidden, dtype=dtype)
         self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
         self.gate_up_proj_scale: nn.Parameter | None = None
         self.down_proj_scale: nn.Parameter | None = None
 
+    def _gate_up_cols(self) -> tuple[slice, slice]:
+        """This rank's gate columns and up columns of a [.., 2I] gate_up tensor."""
+        start, end = self.inter_cols
+        return slice(start, end), slice(self.inter + start, self.inter + end)
+
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
-        check_shape(name, (self.num_experts, *param.shape[1:]), loaded.shape)
-        scale = self.gate_up_proj_scale if param is self.gate_up_proj else self.down_proj_scale
-        load_experts(param, loaded, name, self.first_expert, scale)
+        is_gate_up = param is self.gate_up_proj
+        full = (self.num_experts, param.shape[1], 2 * self.inter) if is_gate_up else \
+            (self.num_experts, self.inter, param.shape[2])
+        check_shape(name, full, loaded.shape)
+        scale = self.gate_up_proj_scale if is_gate_up else self.down_proj_scale
+        if not self.is_tensor_parallel:
+            load_experts(param, loaded, name, self.first_expert, scale)
+        elif is_gate_up:  # [gate cols | up cols] of this rank, side by side
+            local = param.shape[2] // 2
+            for cols, into in zip(self._gate_up_cols(), (slice(0, local), slice(local, 2 * local)), strict=True):
+                load_experts(param, loaded, name, 0, scale, cols=cols, into=into)
+        else:  # this rank's rows; quantized online, its scales are the amax of its own rows
+            load_experts(param, loaded, name, 0, scale, rows=slice(*self.inter_cols))
 
     def scale_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
-        num_out = param.shape[1]
+        """An FP8 checkpoint's per-output-channel scales: the gate/up ones slice with their columns;
+        down_proj's, over whole rows, apply to any slice of them as they are."""
+        is_gate_up = param is self.gate_up_proj_scale
+        num_out = 2 * self.inter if is_gate_up else param.shape[1]
         if loaded.shape not in ((self.num_experts, 1, num_out), (self.num_experts, num_out, 1),
                                 (self.num_experts, num_out)):
             check_shape(name, (self.num_experts, num_out), loaded.shape)
-        param.data.copy_(loaded.read(slice(self.first_expert, self.end_expert)).reshape(param.shape))
+        scales = loaded.read(slice(self.first_expert, self.end_expert)).reshape(-1, num_out)
+        if is_gate_up and self.is_tensor_parallel:
+            gate, up = self._gate_up_cols()
+            scales = torch.cat([scales[:, gate], scales[:, up]], dim=-1)
+        param.data.copy_(scales)
 
 
 class Llama4MoE(nn.Module):
-    """Router replicated on every rank; each rank runs its own experts on the tokens routed to them
-    and its slice of the shared expert. The sum of the two partials over ranks is the MoE output."""
+    """Router replicated on every rank; each rank runs its part of the routed experts (its slices of
+    each, or its whole experts) on the tokens routed to them and its slice of the shared expert. The
+    sum of the two partials over ranks is the MoE output."""
 
-    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype, moe_parallel: str = "tensor"):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.router = Linear(config.hidden_size, config.num_local_experts, dtype)
-        self.experts = Llama4Experts(config, comm, dtype)
+        self.experts = Llama4Experts(config, comm, dtype, moe_parallel)
         self.shared_expert = Llama4MLP(config.hidden_size, config.intermediate_size, comm, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,11 +210,12 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, comm: Communicator, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, comm: Communicator, dtype: torch.dtype,
+                 moe_parallel: str = "tensor"):
         super().__init__()
         self.self_attn = Llama4Attention(config, layer_id, comm, dtype)
         if config.is_moe_layer(layer_id):
-            self.feed_forward: nn.Module = Llama4MoE(config, comm, dtype)
+            self.feed_forward: nn.Module = Llama4MoE(config, comm, dtype, moe_parallel)
         else:
             self.feed_forward = Llama4MLP(config.hidden_size, config.intermediate_size_mlp, comm, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
@@ -193,19 +231,21 @@ class Llama4DecoderLayer(nn.Module):
 
 
 class Llama4Model(nn.Module):
-    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype, moe_parallel: str = "tensor"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, dtype)
-        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, comm, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, comm, dtype, moe_parallel)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
 
 
 class Llama4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Communicator | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Communicator | None = None,
+                 moe_parallel: str = "tensor"):
         super().__init__()
         self.config = config
         self.comm = comm or Communicator()
-        self.model = Llama4Model(config, self.comm, dtype)
+        self.model = Llama4Model(config, self.comm, dtype, moe_parallel)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -262,7 +302,7 @@ def checkpoint_names(param_name: str) -> list[tuple[str, object]]:
     return [(param_name, None)]
 
 
-def check_parallel_layout(config: ModelConfig, world_size: int) -> None:
+def check_parallel_layout(config: ModelConfig, world_size: int, moe_parallel: str = "tensor") -> None:
     """Raise before any weight is read if the model cannot be split over world_size ranks."""
     if world_size < 1:
         raise ValueError(f"num_workers must be at least 1, got {world_size}")
@@ -273,13 +313,13 @@ def check_parallel_layout(config: ModelConfig, world_size: int) -> None:
         raise ValueError(f"num_workers={world_size} must divide num_key_value_heads={kv_heads} or be a "
                          "multiple of it (KV heads are then replicated)")
     widths = {}
-    if config.moe_layers:
+    if config.moe_layers:  # the shared expert's width, and with moe_parallel="tensor" every routed expert's
         widths["intermediate_size"] = config.intermediate_size
     if len(config.moe_layers) < config.num_hidden_layers:
         widths["intermediate_size_mlp"] = config.intermediate_size_mlp
     for name, width in widths.items():
         if width % world_size:
             raise ValueError(f"num_workers={world_size} must divide {name}={width}")
-    if config.moe_layers and config.num_local_experts < world_size:
+    if config.moe_layers and moe_parallel == "expert" and config.num_local_experts < world_size:
         raise ValueError(f"num_workers={world_size} exceeds num_local_experts={config.num_local_experts}: "
-                         "some workers would hold no expert")
+                         "with moe_parallel='expert' some workers would hold no expert")

@@ -83,16 +83,18 @@ class LoadReport:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               comm: Communicator | None = None, quantization: str | None = None) -> Llama4ForCausalLM:
+               comm: Communicator | None = None, quantization: str | None = None,
+               moe_parallel: str = "tensor") -> Llama4ForCausalLM:
     """quantization: None (the checkpoint's own precision: FP8 for an fbgemm_fp8 checkpoint) or "fp8"
-    (quantize a full-precision checkpoint's linears and experts as they load; see quantization.py)."""
+    (quantize a full-precision checkpoint's linears and experts as they load; see quantization.py).
+    moe_parallel: how routed experts split over comm's ranks (llama4.Llama4Experts)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     quant = resolve_quantization(model_dir, quantization)
     files = safetensors_files(model_dir)
     prefix = config.tensor_prefix
     with torch.device(device):
-        model = Llama4ForCausalLM(config, resolve_dtype(dtype, config), comm)
+        model = Llama4ForCausalLM(config, resolve_dtype(dtype, config), comm, moe_parallel)
     fp8_modules = apply_quantization(model, quant, files, prefix)
     params = dict(model.named_parameters())
     pending = {(hf_name, shard): name for name in params for hf_name, shard in checkpoint_names(name)}

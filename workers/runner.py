@@ -36,12 +36,12 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "auto",
                  cache_config: CacheConfig | None = None, device: str | torch.device = "cpu",
                  comm: Communicator | None = None, cuda_graphs: CudaGraphConfig | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, moe_parallel: str = "tensor"):
         """cuda_graphs: capture decode/verify steps on CUDA devices (ignored elsewhere, and when the
         torch references run: WARPSPEC_KERNELS=reference or no Triton)."""
         self.device = torch.device(device)
         self.cache_config = cache_config or CacheConfig()
-        self.model = load_model(model_dir, dtype, self.device, comm, quantization)
+        self.model = load_model(model_dir, dtype, self.device, comm, quantization, moe_parallel)
         self.config = self.model.config
         self.dtype = self.model.model.embed_tokens.weight.dtype
         # Every rank holds the same number of KV heads (replicated when there are more ranks than

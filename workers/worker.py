@@ -29,6 +29,7 @@ class WorkerConfig:
     num_threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     cuda_graphs: CudaGraphConfig | None = None  # used on CUDA devices only
     quantization: str | None = None  # None or "fp8" (see workers/quantization.py)
+    moe_parallel: str = "tensor"  # routed experts split by width ("tensor") or whole ("expert")
 
 
 @dataclass
@@ -47,7 +48,8 @@ class ShardWorker:
         self.config = config
         self.comm = make_communicator(config.comm)
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
-                                  cuda_graphs=config.cuda_graphs, quantization=config.quantization)
+                                  cuda_graphs=config.cuda_graphs, quantization=config.quantization,
+                                  moe_parallel=config.moe_parallel)
 
     def info(self) -> WorkerInfo:
         report = self.runner.model.load_report

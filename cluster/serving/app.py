@@ -37,7 +37,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             coupled_verification (false): sampled requests verified by Gumbel-max coupling, so a seeded
             request's tokens equal its tokens without the draft (fewer drafts accepted).
         num_workers: ranks the model is sharded over, one GPU each (1); executor: "auto" (in the replica
-            process for 1 worker, Ray actors otherwise) or "ray" (always a coordinator + worker actors).
+            process for 1 worker, Ray actors otherwise) or "ray" (always a coordinator + worker actors);
+            moe_parallel: "tensor" (every routed expert split by width over all ranks) or "expert"
+            (whole experts per rank).
         dtype ("auto"), max_model_len (the checkpoint's), device ("cpu"; "cuda" on GPU nodes),
         kv_cache_memory_gib (1.0 per worker) or num_kv_blocks, block_size (16), max_num_seqs (256),
         max_num_batched_tokens (2048), max_waiting_requests (1024: beyond it RESOURCE_EXHAUSTED / 429),

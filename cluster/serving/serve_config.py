@@ -33,6 +33,7 @@ ENGINE_ARGS: dict[str, tuple[type, Any]] = {
     "coupled_verification": (bool, False),
     # How long a new replica waits for its workers' GPUs; on Kubernetes the autoscaler may first have to add a node.
     "placement_timeout_s": (float, 60.0),
+    "moe_parallel": (str, "tensor"),  # routed experts split by width over all ranks, or "expert": whole ones
     "quantization": (str, None),  # "fp8": FP8 weights, quantized at load (workers/quantization.py)
 }
 

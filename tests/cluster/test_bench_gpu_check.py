@@ -25,15 +25,23 @@ def test_tiny_gpu_check_reports_every_part(tmp_path):
         assert any(n.startswith(kernel) for n in names), kernel
     assert all(k["passed"] and not k["error"] for k in report["kernels"])
     assert {b["kernel"] for b in report["bandwidth"]} == {n for n in names if n.startswith(("paged", "moe"))}
-    shapes = {(r["batch"], r["query_len"]) for r in report["simulation"]}
-    assert shapes == {(1, 1), (1, 4), (8, 1), (8, 4)}
+    shapes = {(r["moe_parallel"], r["batch"], r["query_len"]) for r in report["simulation"]}
+    assert shapes == {(layout, b, q) for layout in ("tensor", "expert") for b in (1, 8) for q in (1, 4)}
     for row in report["simulation"]:
         assert row["eager_ms"] > 0 and row["total_gb"] > 0
+    by_shape = {(r["moe_parallel"], r["batch"], r["query_len"]): r for r in report["simulation"]}
+    for layout in ("tensor", "expert"):
         # 8 sequences x 4 tokens choose more experts than 1 token, so the step reads more.
-    by_shape = {(r["batch"], r["query_len"]): r for r in report["simulation"]}
-    assert by_shape[(8, 4)]["expected_distinct_experts"] > by_shape[(1, 1)]["expected_distinct_experts"] == 1
+        assert by_shape[layout, 8, 4]["expected_distinct_experts"] > by_shape[layout, 1, 1]["expected_distinct_experts"]
+        assert by_shape[layout, 1, 1]["expected_distinct_experts"] == 1
+    # One token reads 1/8 of one expert split by width, a whole expert otherwise, of about the same
+    # weights (split by width, each of the 8x more slices keeps its down_proj's per-column scales).
+    assert by_shape["tensor", 1, 1]["total_gb"] < by_shape["expert", 1, 1]["total_gb"]
+    assert by_shape["tensor", 1, 1]["all_expert_weights_gb"] == pytest.approx(
+        by_shape["expert", 1, 1]["all_expert_weights_gb"], rel=0.1)
     projection = report["projection"]["8us"]
     assert {p["tokens_per_step"] for p in projection} == {1.0, report["acceptance_length"]}
+    assert {p["moe_parallel"] for p in projection} == {"tensor", "expert"}
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| kernel | relative error |" in markdown and "tokens/s per user" in markdown
 

@@ -1,7 +1,8 @@
-"""A model sharded over Ray worker actors computes what the single-process model computes.
+"""A model sharded over Ray worker actors computes what the single-process model computes, with the
+routed experts split by width (moe_parallel="tensor") or whole (moe_parallel="expert").
 
-Checkpoints have an expert count the workers do not divide (5 over 2, 6 over 4) and, at N=4, more
-workers than KV heads (KV heads replicated)."""
+Checkpoints have an expert count the workers do not divide (5 over 2 and over 4), top-1 and top-2
+routing and, at N=4, more workers than KV heads (KV heads replicated)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,25 @@ def assert_same_outputs(got, expected) -> None:
                 assert abs(out.prompt_logprobs[position][token].logprob - logprob.logprob) < 1e-4
 
 
-@pytest.mark.parametrize("num_workers,dispatch", [(1, "compiled"), (2, "compiled"), (2, "actor")])
-def test_sharded_matches_single_process(ray_cluster, checkpoint, single_process, num_workers, dispatch):
-    with LLM(str(checkpoint), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch) as llm:
+@pytest.mark.parametrize("num_workers,dispatch,moe_parallel", [
+    (1, "compiled", "tensor"), (2, "compiled", "tensor"), (2, "compiled", "expert"), (2, "actor", "tensor")])
+def test_sharded_matches_single_process(ray_cluster, checkpoint, single_process, num_workers, dispatch,
+                                        moe_parallel):
+    with LLM(str(checkpoint), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch,
+             moe_parallel=moe_parallel) as llm:
         assert_same_outputs(llm.generate(_prompts(), PARAMS), single_process)
+
+
+@pytest.mark.parametrize("moe_parallel", ["tensor", "expert"])
+def test_top2_routing_over_two_workers(ray_cluster, tmp_path_factory, moe_parallel):
+    """Each token's two experts may live on different ranks (expert) or in slices on both (tensor)."""
+    path = tmp_path_factory.mktemp("top2")
+    make_text_checkpoint(path, num_local_experts=5, num_experts_per_tok=2, interleave_moe_layer_step=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    with LLM(str(path), dtype="float32") as llm:
+        expected = llm.generate(_prompts(), PARAMS)
+    with LLM(str(path), dtype="float32", num_workers=2, moe_parallel=moe_parallel) as llm:
+        assert_same_outputs(llm.generate(_prompts(), PARAMS), expected)
 
 
 @pytest.mark.parametrize("tie_word_embeddings", [False, True])
@@ -64,17 +80,22 @@ def test_vocabulary_the_workers_do_not_divide(ray_cluster, tmp_path, tie_word_em
 
 
 @pytest.mark.slow
-def test_four_workers_with_uneven_experts_vocabulary_and_replicated_kv_heads(ray_cluster, tmp_path):
-    # 510 ids over 4 ranks: shards of 128 rows, the last two with 127 real ones.
-    path = make_text_checkpoint(tmp_path / "four", num_local_experts=6, interleave_moe_layer_step=1, vocab_size=510,
-                                num_attention_heads=4, num_key_value_heads=2, attention_chunk_size=8, floor_scale=4)
+@pytest.mark.parametrize("moe_parallel", ["tensor", "expert"])
+def test_four_workers_with_uneven_experts_vocabulary_and_replicated_kv_heads(ray_cluster, tmp_path, moe_parallel):
+    # 510 ids over 4 ranks: shards of 128 rows, the last two with 127 real ones. Top-2 of 5 experts.
+    path = make_text_checkpoint(tmp_path / "four", num_local_experts=5, num_experts_per_tok=2,
+                                interleave_moe_layer_step=1, vocab_size=510, num_attention_heads=4,
+                                num_key_value_heads=2, attention_chunk_size=8, floor_scale=4)
     with LLM(str(path), dtype="float32") as llm:
         expected = llm.generate(_prompts(), PARAMS)
-    with LLM(str(path), dtype="float32", num_workers=4) as llm:
+    with LLM(str(path), dtype="float32", num_workers=4, moe_parallel=moe_parallel) as llm:
         infos = llm.engine.executor.info.workers
         assert_same_outputs(llm.generate(_prompts(), PARAMS), expected)
-    # 6 experts over 4 ranks: 2, 2, 1, 1 -> ranks 0-1 hold more bytes than ranks 2-3.
-    assert infos[0].param_bytes == infos[1].param_bytes > infos[2].param_bytes == infos[3].param_bytes
+    sizes = [info.param_bytes for info in infos]
+    if moe_parallel == "expert":  # 5 experts over 4 ranks: 2, 1, 1, 1
+        assert sizes[0] > sizes[1] == sizes[2] == sizes[3]
+    else:  # a quarter of every expert each
+        assert sizes[0] == sizes[1] == sizes[2] == sizes[3]
 
 
 def test_each_worker_reads_and_holds_only_its_shard(ray_cluster, tmp_path):
@@ -110,9 +131,21 @@ def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
     assert [a - b for a, b in zip(after, before, strict=True)] == [num_steps * (2 * num_layers + 2)] * 2
 
 
-def test_impossible_splits_fail_before_loading(checkpoint):
+def test_impossible_splits_fail_before_loading(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="num_workers=3 must divide num_attention_heads=4"):
         LLM(str(checkpoint), num_workers=3)
+    with pytest.raises(ValueError, match="moe_parallel must be one of tensor, expert, got 'experts'"):
+        LLM(str(checkpoint), num_workers=2, moe_parallel="experts")
+    # 3 experts over 4 ranks: fine split by width, impossible whole. The checkpoint's config is all
+    # that is read (its weights are missing).
+    few = make_text_checkpoint(tmp_path / "few", num_local_experts=3, num_attention_heads=4, num_key_value_heads=2)
+    (few / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="num_workers=4 exceeds num_local_experts=3: with moe_parallel='expert'"):
+        LLM(str(few), num_workers=4, moe_parallel="expert")
+    # Split by width, every routed expert's intermediate size must divide (as the shared expert's must).
+    narrow = make_text_checkpoint(tmp_path / "narrow", intermediate_size=30, num_attention_heads=4)
+    with pytest.raises(ValueError, match="num_workers=4 must divide intermediate_size=30"):
+        LLM(str(narrow), num_workers=4, moe_parallel="tensor")
     with pytest.raises(ValueError, match="executor='local' runs one worker; num_workers=2 needs executor='ray'"):
         LLM(str(checkpoint), num_workers=2, executor="local")
     with pytest.raises(ValueError, match="num_workers must be a positive integer, got 0"):

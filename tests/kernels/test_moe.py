@@ -45,3 +45,28 @@ def test_expert_ranks_sum_to_the_whole():
     parts = (moe_experts(x, gate_up[:3], down[:3], expert_ids, scores, first_expert=0)
              + moe_experts(x, gate_up[3:], down[3:], expert_ids, scores, first_expert=3))
     torch.testing.assert_close(parts, whole, atol=1e-4, rtol=1e-4)
+
+
+def width_slice(gate_up: torch.Tensor, down: torch.Tensor, rank: int, world_size: int):
+    """Rank's slice of every expert under moe_parallel="tensor": gate and up columns side by side,
+    the same rows of down. inter 8 over 2 ranks: rank 1 gets gate cols 4..7, up cols 12..15, down rows 4..7."""
+    inter = down.shape[1]
+    local = inter // world_size
+    cols = torch.cat([torch.arange(rank * local, (rank + 1) * local),
+                      inter + torch.arange(rank * local, (rank + 1) * local)])
+    return gate_up[:, :, cols], down[:, rank * local : (rank + 1) * local]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_width_slices_sum_to_the_whole(world_size):
+    """Every expert split by width across ranks: SwiGLU is elementwise over the intermediate width,
+    so each rank's partial output over its slice adds up to the full MoE."""
+    gen = torch.Generator().manual_seed(world_size)
+    x = torch.randn(9, 16, generator=gen)
+    gate_up = torch.randn(5, 16, 16, generator=gen)
+    down = torch.randn(5, 8, 16, generator=gen)
+    expert_ids, scores = route_topk_sigmoid(torch.randn(9, 5, generator=gen), 2)
+    whole = moe_experts(x, gate_up, down, expert_ids, scores)
+    parts = sum(moe_experts(x, *width_slice(gate_up, down, rank, world_size), expert_ids, scores)
+                for rank in range(world_size))
+    torch.testing.assert_close(parts, whole, atol=1e-4, rtol=1e-4)

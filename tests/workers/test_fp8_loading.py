@@ -136,32 +136,52 @@ def test_fp8_router_from_a_checkpoint_that_quantized_it(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_sharded_load_slices_and_scales(checkpoint, fp8_checkpoint, rank):
+@pytest.mark.parametrize("moe_parallel", ["tensor", "expert"])
+def test_sharded_load_slices_and_scales(checkpoint, fp8_checkpoint, rank, moe_parallel):
     """Rank `rank` of 2, loaded in-process (no collective runs while loading). From the FP8
     checkpoint every rank holds exact slices of the one-rank weights and scales (a row-parallel
     layer's whole-row scales apply to its column half as they are). Online, column-parallel rows are
     quantized whole, so they slice the same way; a row-parallel rank quantizes its own columns."""
     comm = Communicator(rank, 2)
     whole = dict(load_model(fp8_checkpoint, "float32").named_parameters())
-    shard = dict(load_model(fp8_checkpoint, "float32", comm=comm).named_parameters())
-    online = dict(load_model(checkpoint, "float32", comm=comm, quantization="fp8").named_parameters())
+    shard = dict(load_model(fp8_checkpoint, "float32", comm=comm, moe_parallel=moe_parallel).named_parameters())
+    online = dict(load_model(checkpoint, "float32", comm=comm, quantization="fp8",
+                             moe_parallel=moe_parallel).named_parameters())
     qkv, o_proj = "model.layers.1.self_attn.qkv_proj.weight", "model.layers.1.self_attn.o_proj.weight"
-    experts = "model.layers.1.feed_forward.experts.down_proj"
+    gate_up, down = "model.layers.1.feed_forward.experts.gate_up_proj", "model.layers.1.feed_forward.experts.down_proj"
     # qkv rows: 4 query heads of 16 dims -> 2 per rank; 2 KV heads -> 1 per rank.
     rows = torch.cat([torch.arange(32 * rank, 32 * rank + 32), 64 + torch.arange(16 * rank, 16 * rank + 16),
                       96 + torch.arange(16 * rank, 16 * rank + 16)])
     cols = slice(32 * rank, 32 * rank + 32)
-    first, end = (0, 3) if rank == 0 else (3, 5)
     for params in (shard, online):
         assert torch.equal(params[qkv].view(torch.uint8), whole[qkv][rows].view(torch.uint8))
         assert torch.equal(params[qkv + "_scale"], whole[qkv + "_scale"][rows])
-        assert torch.equal(params[experts].view(torch.uint8), whole[experts][first:end].view(torch.uint8))
-        assert torch.equal(params[experts + "_scale"], whole[experts + "_scale"][first:end])
     assert torch.equal(shard[o_proj].view(torch.uint8), whole[o_proj][:, cols].view(torch.uint8))
     assert torch.equal(shard[o_proj + "_scale"], whole[o_proj + "_scale"])
     original = load_file(checkpoint / "model.safetensors")[o_proj][:, cols]
     torch.testing.assert_close(online[o_proj + "_scale"], original.abs().amax(1) / 448)
     assert torch.all(online[o_proj + "_scale"] <= whole[o_proj + "_scale"])  # a half's amax <= the row's
+
+    if moe_parallel == "expert":  # 5 experts: 3 on rank 0, 2 on rank 1, whole
+        first, end = (0, 3) if rank == 0 else (3, 5)
+        for params in (shard, online):
+            for name in (gate_up, down):
+                assert torch.equal(params[name].view(torch.uint8), whole[name][first:end].view(torch.uint8))
+                assert torch.equal(params[name + "_scale"], whole[name + "_scale"][first:end])
+        return
+    # Every expert, this rank's half of the intermediate width: gate and up columns side by side
+    # (quantized per column, so online they slice exactly too), and the same rows of down_proj.
+    inter = whole[down].shape[1]
+    half = slice(inter // 2 * rank, inter // 2 * (rank + 1))
+    gate_up_cols = torch.cat([torch.arange(inter)[half], inter + torch.arange(inter)[half]])
+    for params in (shard, online):
+        assert torch.equal(params[gate_up].view(torch.uint8), whole[gate_up][:, :, gate_up_cols].view(torch.uint8))
+        assert torch.equal(params[gate_up + "_scale"], whole[gate_up + "_scale"][:, gate_up_cols])
+    assert torch.equal(shard[down].view(torch.uint8), whole[down][:, half].view(torch.uint8))
+    assert torch.equal(shard[down + "_scale"], whole[down + "_scale"])  # whole-column scales apply as they are
+    original = load_file(checkpoint / "model.safetensors")[down][:, half]
+    torch.testing.assert_close(online[down + "_scale"], original.abs().amax(1) / 448)
+    assert torch.all(online[down + "_scale"] <= whole[down + "_scale"])  # half a column's amax <= the column's
 
 
 def test_unknown_quantization_names_the_field_and_choices(checkpoint):
@@ -227,21 +247,25 @@ def test_llm_quantization_option_and_its_errors(checkpoint, fp8_checkpoint, caps
     assert json.loads(capsys.readouterr().out)["token_ids"] == online[1].token_ids
 
 
-def test_two_ranks(ray_cluster, checkpoint, fp8_checkpoint):
-    """Over 2 Ray workers (5 experts: 3 + 2; heads and MLP widths halved) each rank reads its slices of
-    the FP8 checkpoint, or quantizes its own slices of the full-precision one."""
+@pytest.mark.parametrize("moe_parallel", ["tensor", "expert"])
+def test_two_ranks(ray_cluster, checkpoint, fp8_checkpoint, moe_parallel):
+    """Over 2 Ray workers (heads and MLP widths halved; 5 experts split by width, or 3 + 2 whole) each
+    rank reads its slices of the FP8 checkpoint, or quantizes its own slices of the full-precision one."""
     with LLM(str(fp8_checkpoint), dtype="float32") as llm:
         expected = llm.generate(prompts(), PARAMS)
-    with LLM(str(fp8_checkpoint), dtype="float32", num_workers=2) as llm:
+    with LLM(str(fp8_checkpoint), dtype="float32", num_workers=2, moe_parallel=moe_parallel) as llm:
         sharded = llm.generate(prompts(), PARAMS)
         workers = llm.engine.executor.info.workers
     assert [o.token_ids for o in sharded] == [o.token_ids for o in expected]
     assert max_prompt_logprob_gap(sharded, expected) < 1e-4  # only the reduction order differs
-    assert workers[0].param_bytes > workers[1].param_bytes  # 3 experts vs 2
+    if moe_parallel == "expert":
+        assert workers[0].param_bytes > workers[1].param_bytes  # 3 experts vs 2
+    else:
+        assert workers[0].param_bytes == workers[1].param_bytes  # half of every expert each
     # Online, a row-parallel layer's rank quantizes its half of each row with that half's own amax
     # (test_sharded_load_slices_and_scales), not the whole row's: as close to full precision as one
     # rank is, not equal to it. This random model amplifies small weight changes (see above).
-    with LLM(str(checkpoint), dtype="float32", num_workers=2, quantization="fp8") as llm:
+    with LLM(str(checkpoint), dtype="float32", num_workers=2, quantization="fp8", moe_parallel=moe_parallel) as llm:
         online = llm.generate(prompts(), PARAMS)
     with LLM(str(checkpoint), dtype="float32") as llm:
         full = llm.generate(prompts(), PARAMS)
