@@ -88,6 +88,10 @@ class GenerationClient:
 
 # ---- `warpspec client` -----------------------------------------------------------------------------
 
+# Status codes that mean the request itself was refused (bad input), not that the server failed.
+REJECTED_INPUT = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.NOT_FOUND}
+
+
 def add_client_parser(commands: argparse._SubParsersAction) -> None:
     client = commands.add_parser("client", help="call a running `warpspec serve` over gRPC")
     client.add_argument("action", choices=["generate", "stream", "tokenize", "info", "health"])
@@ -98,7 +102,8 @@ def add_client_parser(commands: argparse._SubParsersAction) -> None:
     client.add_argument("--prompt", help="prompt text (generate, stream, tokenize)")
     client.add_argument("--prompt-token-ids", help="prompt as comma-separated token ids")
     client.add_argument("--max-tokens", type=int)
-    client.add_argument("--temperature", type=float)
+    client.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (the default, as in `warpspec generate`) is greedy")
     client.add_argument("--top-p", type=float)
     client.add_argument("--top-k", type=int)
     client.add_argument("--seed", type=int)
@@ -138,4 +143,5 @@ def run_client_command(ns: argparse.Namespace) -> None:
                         print()
         except grpc.RpcError as e:
             print(f"warpspec: error: {e.code().name}: {e.details()}", file=sys.stderr)
-            raise SystemExit(1) from None
+            # Rejected input exits 2, as everywhere in the CLI; a server that failed, 1.
+            raise SystemExit(2 if e.code() in REJECTED_INPUT else 1) from None

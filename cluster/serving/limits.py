@@ -24,9 +24,11 @@ class RequestLimits:
     max_request_bytes: int = 16 * MIB
     # The prompt text as UTF-8 (chat: all message contents together); tokenizing it is the cost bounded here.
     max_prompt_bytes: int = 4 * MIB
+    # Prompts in one /v1/completions request (each one choice, run side by side); OpenAI allows 2048.
+    max_prompts_per_request: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_bytes"):
+        for name in ("max_request_bytes", "max_prompt_bytes", "max_prompts_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,29 +1,40 @@
 """The OpenAI-compatible HTTP API of one replica, as a FastAPI app over a ReplicaFrontend.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: server-sent events)
-    GET  /v1/models             GET  /health                   GET /admin/stats (KV blocks, queue)
+    GET  /v1/models             GET  /v1/models/{id}           GET /health
+    GET  /admin/stats (KV blocks, queue)
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with 400 for bad
 input (invalid JSON included), 401 for a missing or wrong API key (when the deployment has one; only
-/health is open then), 404 for an unknown model, 413 for a body over max_request_bytes, 429 when the
-replica's queue is full, 503 when it cannot serve. A client that disconnects mid-stream aborts its
-request (Serve cancels the replica's handler, which closes the engine stream and frees the KV blocks).
+/health is open then), 404 for an unknown model or route, 405 for a wrong method, 413 for a body
+over max_request_bytes, 429 when the replica's queue is full, 503 when it cannot serve. A client
+that disconnects mid-stream aborts its request (Serve cancels the replica's handler, which closes the
+engine stream and frees the KV blocks).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from warpspec.sampling_params import InvalidRequestError
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.chat_template import ChatTemplate
 from warpspec.serving.limits import RequestLimits
-from warpspec.serving.openai_protocol import ResponseBuilder, chat_request, completion_request, requested_model
+from warpspec.serving.openai_protocol import (
+    CompletionRequest,
+    ResponseBuilder,
+    chat_request,
+    completion_request,
+    requested_model,
+)
 from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.wire_errors import NotFoundError, wire_error
 
@@ -32,8 +43,21 @@ def error_response(error: BaseException) -> JSONResponse:
     wire = wire_error(error)
     # RFC 6750: a 401 names the scheme the client should use.
     headers = {"www-authenticate": "Bearer"} if wire.http_status == 401 else None
-    return JSONResponse({"error": {"message": wire.message, "type": wire.openai_type, "param": None,
-                                   "code": wire.http_status}}, status_code=wire.http_status, headers=headers)
+    return _error_body(wire.message, wire.openai_type, wire.http_status, headers)
+
+
+def _error_body(message: str, error_type: str, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": error_type, "param": None, "code": status}},
+                        status_code=status, headers=headers)
+
+
+async def _final_output(stream):
+    """Run a stream to its end; closing it on any exit aborts the request in the engine."""
+    async with aclosing(stream):
+        final = None
+        async for out in stream:
+            final = out
+        return final
 
 
 class EventStreamResponse(Response):
@@ -71,6 +95,9 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
     model_name = engine.description.name
     limits = limits or RequestLimits()
 
+    def decode_token(token_id: int) -> str:
+        return engine.tokenizer.decode([token_id]) if engine.tokenizer is not None else str(token_id)
+
     def authorize(request: Request) -> None:
         if auth is not None:
             auth.check_header(request.headers.get("authorization"))
@@ -96,14 +123,22 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
             raise NotFoundError(f"model {name!r} is not served here; this deployment serves {model_name!r}")
         return body
 
-    async def run(body: dict, prompt, params, chat: bool):
-        builder = ResponseBuilder(model_name, chat)
-        stream = engine.stream(prompt, params)
+    async def run(body: dict, request: CompletionRequest, chat: bool):
+        builder = ResponseBuilder(model_name, chat, request, decode_token)
         if not body.get("stream"):
-            final = None
-            async for out in stream:
-                final = out
-            return JSONResponse(builder.final(final))
+            # A list of prompts runs side by side; the first failure cancels (and so aborts) the others
+            # and is the reply's error.
+            tasks = [asyncio.ensure_future(_final_output(engine.stream(prompt, request.params)))
+                     for prompt in request.prompts]
+            try:
+                outs = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            return JSONResponse(builder.final(outs))
+        stream = engine.stream(request.prompts[0], request.params)
         # Start the request before answering 200, so that queue-full and engine errors get a status.
         first = await anext(stream)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -132,8 +167,8 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
     async def completions(request: Request):
         try:
             body = await read_body(request)
-            prompt, params = completion_request(body, engine.description.max_model_len, limits)
-            return await run(body, prompt, params, chat=False)
+            request = completion_request(body, engine.description.max_model_len, limits)
+            return await run(body, request, chat=False)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             return error_response(e)
 
@@ -142,7 +177,7 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
         try:
             body = await read_body(request)
             messages, params = chat_request(body, engine.description.max_model_len, limits)
-            return await run(body, template.render(messages), params, chat=True)
+            return await run(body, CompletionRequest([template.render(messages)], params), chat=True)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
 
@@ -152,9 +187,28 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
             authorize(request)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        try:
+            authorize(request)
+            if model_id != model_name:
+                raise NotFoundError(f"model {model_id!r} is not served here; this deployment serves {model_name!r}")
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return model_card()
+
+    def model_card() -> dict:
         d = engine.description
-        return {"object": "list", "data": [{"id": d.name, "object": "model", "created": 0, "owned_by": "warpspec",
-                                            "max_model_len": d.max_model_len}]}
+        return {"id": d.name, "object": "model", "created": 0, "owned_by": "warpspec", "max_model_len": d.max_model_len}
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        """Unknown routes (404) and wrong methods (405) answer in OpenAI's shape too."""
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return _error_body(f"{error.detail}: {request.method} {request.url.path}", kind, error.status_code,
+                           dict(error.headers) if error.headers else None)
 
     @app.get("/health")
     async def health():

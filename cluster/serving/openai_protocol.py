@@ -1,16 +1,23 @@
 """OpenAI-compatible request bodies -> (prompt, SamplingParams), and engine outputs -> the response
 and stream-chunk objects of /v1/completions and /v1/chat/completions.
 
-Fields follow the OpenAI API, plus vLLM's sampling extras (top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids, skip_special_tokens). A field the server does not know is refused with
-400 naming it, rather than silently ignored; fields clients send by habit and that change nothing
-here (user, a null logit_bias, n=1, ...) are accepted.
+Fields follow the OpenAI API, plus vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids, skip_special_tokens, prompt_logprobs). A field the server does not know is refused
+with 400 naming it, rather than silently ignored; fields clients send by habit and that change
+nothing here (user, a null logit_bias, n=1, ...) are accepted.
+
+/v1/completions also takes what evaluation harnesses send: a list of prompts (one choice each, in
+order, with its index), and `echo` with `logprobs`, which returns the prompt's own tokens with their
+logprobs ahead of the completion's (the first prompt token has none); `max_tokens` 0 with echo
+scores the prompt alone, as lm-eval's loglikelihood requests do.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from warpspec.engine import Prompt
@@ -26,9 +33,9 @@ _SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "t
                     "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
                     "skip_special_tokens": "skip_special_tokens"}
 # Accepted and without effect here (each only at the value that means "nothing special").
-_INERT_FIELDS = {"model", "stream", "stream_options", "user", "n", "best_of", "echo", "logit_bias", "suffix",
+_INERT_FIELDS = {"model", "stream", "stream_options", "user", "n", "best_of", "logit_bias", "suffix",
                  "service_tier", "store", "metadata", "parallel_tool_calls"}
-_COMPLETION_FIELDS = set(_SAMPLING_FIELDS) | _INERT_FIELDS | {"prompt", "logprobs"}
+_COMPLETION_FIELDS = set(_SAMPLING_FIELDS) | _INERT_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"}
 _CHAT_FIELDS = (set(_SAMPLING_FIELDS) | _INERT_FIELDS
                 | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
 
@@ -41,8 +48,6 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise InvalidRequestError(f"n must be 1 (one choice per request), got {body['n']!r}")
     if body.get("best_of", 1) not in (1, None):
         raise InvalidRequestError(f"best_of must be 1, got {body['best_of']!r}")
-    if body.get("echo"):
-        raise InvalidRequestError("echo is not supported")
     if body.get("logit_bias"):
         raise InvalidRequestError("logit_bias is not supported")
     if body.get("suffix"):
@@ -67,25 +72,65 @@ def requested_model(body: dict) -> str:
     return model
 
 
-def completion_request(body: dict, max_model_len: int,
-                       limits: RequestLimits | None = None) -> tuple[Prompt, SamplingParams]:
+@dataclass
+class CompletionRequest:
+    prompts: list[Prompt]  # one choice each
+    params: SamplingParams
+    echo: bool = False  # the reply starts with the prompt (and its logprobs, when logprobs are asked for)
+    # max_tokens 0 (with echo): the prompt alone is scored. The engine still samples one token,
+    # which the reply leaves out.
+    prompt_only: bool = False
+    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field: each choice carries them
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _prompt_list(prompt: object, limits: RequestLimits) -> list[Prompt]:
+    """A string, token ids, or a non-empty list of either -> the prompts, each checked by name."""
+    if isinstance(prompt, list) and not prompt:
+        raise InvalidRequestError("prompt is empty")
+    if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
+        prompts = prompt  # a list of prompts
+    elif isinstance(prompt, str | list):
+        prompts = [prompt]  # one prompt: text, or token ids (checked below)
+    else:
+        raise InvalidRequestError("prompt is required: a string, a list of token ids, or a list of either")
+    if len(prompts) > limits.max_prompts_per_request:
+        raise InvalidRequestError(f"prompt holds {len(prompts)} prompts; max_prompts_per_request is "
+                                  f"{limits.max_prompts_per_request}")
+    for i, one in enumerate(prompts):
+        name = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(one, str):
+            if not one:
+                raise InvalidRequestError(f"{name} is empty")
+            limits.check_prompt_text(one, name)
+        elif not one or not all(map(_is_token_id, one)):
+            raise InvalidRequestError(f"{name} must be a non-empty string or list of token ids")
+    return prompts
+
+
+def completion_request(body: dict, max_model_len: int, limits: RequestLimits | None = None) -> CompletionRequest:
     _check_fields(body, _COMPLETION_FIELDS)
     limits = limits or RequestLimits()
-    prompt = body.get("prompt")
-    # One prompt per request: a string, token ids, or a one-element list of either.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        limits.check_prompt_text(prompt)
-    elif isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise InvalidRequestError("prompt must be a non-empty string or list of token ids (one prompt per request)")
-    else:
-        raise InvalidRequestError("prompt is required: a string or a list of token ids")
-    logprobs = body.get("logprobs")
-    return prompt, _sampling_params(body, max_model_len, **({"logprobs": logprobs} if logprobs is not None else {}))
+    prompts = _prompt_list(body.get("prompt"), limits)
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise InvalidRequestError(f"echo must be a boolean, got {echo!r}")
+    if len(prompts) > 1 and body.get("stream"):
+        raise InvalidRequestError(f"stream takes one prompt per request, got {len(prompts)}")
+    body = dict(body)
+    prompt_only = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if prompt_only:
+        if not echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo, to score the prompt alone)")
+        body["max_tokens"] = 1
+    extra = {name: body[name] for name in ("logprobs", "prompt_logprobs") if body.get(name) is not None}
+    params = _sampling_params(body, max_model_len, **extra)
+    if echo and params.logprobs is not None:  # the echoed prompt's logprobs, as many per position as asked
+        params = replace(params, prompt_logprobs=max(params.prompt_logprobs or 0, params.logprobs))
+    return CompletionRequest(prompts, params, echo, prompt_only, body.get("prompt_logprobs") is not None)
 
 
 def chat_request(body: dict, max_model_len: int,
@@ -127,14 +172,38 @@ def usage(out: RequestOutput) -> dict:
             "prompt_tokens_details": {"cached_tokens": int(m.get("cached_prompt_tokens", 0))}}
 
 
-def _completion_logprobs(token_ids: list[int], positions: list | None) -> dict | None:
+def _completion_logprobs(token_ids: list[int], positions: list | None, num_top: int,
+                         decode: Callable[[int], str], text_offset: int = 0) -> tuple[dict | None, int]:
+    """OpenAI's legacy logprobs object, and the offset after its last token. positions[i] is token
+    i's {token id: Logprob}, or None where nothing predicts it (an echoed prompt's first token).
+    text_offset: where the first token starts in the choice's text; each later one starts where the
+    previous token's text ends (as in vLLM)."""
+    if positions is None:
+        return None, text_offset
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token, position in zip(token_ids, positions, strict=True):
+        chosen = position[token] if position is not None else None
+        text = chosen.decoded_token if chosen is not None and chosen.decoded_token is not None else decode(token)
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob if chosen is not None else None)
+        # The num_top most likely tokens, and the chosen one (which may rank anywhere).
+        top_logprobs.append(None if position is None else {
+            lp.decoded_token if lp.decoded_token is not None else decode(tid): lp.logprob
+            for tid, lp in position.items() if lp.rank <= num_top or tid == token})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}, text_offset
+
+
+def _vllm_prompt_logprobs(positions: list | None) -> list | None:
+    """vLLM's spelling of prompt_logprobs: per prompt position None or {token id: {logprob, rank,
+    decoded_token}}."""
     if positions is None:
         return None
-    pairs = list(zip(positions, token_ids, strict=False))
-    return {"tokens": [pos[t].decoded_token or "" for pos, t in pairs],
-            "token_logprobs": [pos[t].logprob for pos, t in pairs],
-            "top_logprobs": [{lp.decoded_token or str(tid): lp.logprob for tid, lp in pos.items()} for pos, _ in pairs],
-            "text_offset": []}
+    return [None if position is None else {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                                      "decoded_token": lp.decoded_token}
+                                           for tid, lp in position.items()} for position in positions]
 
 
 def _chat_logprobs(token_ids: list[int], positions: list | None) -> dict | None:
@@ -155,42 +224,72 @@ def _chat_logprobs(token_ids: list[int], positions: list | None) -> dict | None:
 
 
 class ResponseBuilder:
-    """The ids, timestamps and shapes of one request's response objects."""
+    """The ids, timestamps and shapes of one request's response objects. decode: a token id's text as
+    it appears in the text (a BOS the tokenizer added: ""), for echoed prompt tokens without a logprob
+    entry to carry it."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, request: CompletionRequest | None = None,
+                 decode: Callable[[int], str] = str):
+        self.model, self.chat, self.decode = model, chat, decode
+        self.request = request or CompletionRequest([], SamplingParams())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.sent_role = False
+        self.sent_first = False
+        self.text_offset = 0  # streaming: where the next chunk's first token starts in the choice's text
 
-    def final(self, out: RequestOutput) -> dict:
-        positions = out.logprobs
+    def _header(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def final(self, outs: list[RequestOutput]) -> dict:
+        """The whole reply: one choice per output, in prompt order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": _chat_logprobs(out.token_ids, positions), "finish_reason": _finish_reason(out)}
+            out = outs[0]
+            choices = [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                        "logprobs": _chat_logprobs(out.token_ids, out.logprobs), "finish_reason": _finish_reason(out)}]
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": _completion_logprobs(out.token_ids, positions),
-                      "finish_reason": _finish_reason(out)}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": usage(out)}
+            choices = [self._completion_choice(i, out, out.token_ids, out.text, out.logprobs, first=True, text_offset=0)
+                       for i, out in enumerate(outs)]
+        usages = [usage(out) for out in outs]
+        total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                               for u in usages)}
+        return {**self._header("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": total}
+
+    def _completion_choice(self, index: int, out: RequestOutput, token_ids: list[int], text: str,
+                           positions: list | None, first: bool, text_offset: int) -> dict:
+        """first: this choice (or chunk) is the first of its request, where an echoed prompt goes."""
+        request = self.request
+        if request.prompt_only:  # the one token sampled to finish the request is not part of the reply
+            token_ids, text, positions = [], "", None if positions is None else []
+        if request.echo and first:
+            prompt = out.prompt if isinstance(out.prompt, str) else "".join(map(self.decode, out.prompt_token_ids))
+            text = prompt + text
+            if positions is not None:
+                token_ids, positions = out.prompt_token_ids + token_ids, out.prompt_logprobs + positions
+        logprobs, self.text_offset = _completion_logprobs(token_ids, positions, request.params.logprobs or 0,
+                                                          self.decode, text_offset)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": _finish_reason(out)}
+        if request.return_prompt_logprobs:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(out.prompt_logprobs) if first else None
+        return choice
 
     def chunk(self, out: RequestOutput) -> dict:
         positions = None
-        if out.logprobs is not None and out.new_token_ids:
-            positions = out.logprobs[len(out.logprobs) - len(out.new_token_ids):]
+        if out.logprobs is not None:
+            positions = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if out.new_token_ids else []
         if self.chat:
             delta: dict = {"content": out.new_text}
-            if not self.sent_role:
-                delta["role"], self.sent_role = "assistant", True
-            choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(out.new_token_ids, positions),
+            if not self.sent_first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(out.new_token_ids, positions or None),
                       "finish_reason": _finish_reason(out)}
         else:
-            choice = {"index": 0, "text": out.new_text,
-                      "logprobs": _completion_logprobs(out.new_token_ids, positions),
-                      "finish_reason": _finish_reason(out)}
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
+            choice = self._completion_choice(0, out, out.new_token_ids, out.new_text, positions,
+                                             first=not self.sent_first, text_offset=self.text_offset)
+        self.sent_first = True
+        return {**self._header("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
     def usage_chunk(self, out: RequestOutput) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": usage(out)}
+        return {**self._header("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(out)}

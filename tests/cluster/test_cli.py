@@ -29,6 +29,8 @@ def test_help_lists_the_commands():
     result = run("--help")
     assert result.returncode == 0
     assert "generate" in result.stdout and "create-checkpoint" in result.stdout
+    module = subprocess.run([sys.executable, "-m", "warpspec", "--help"], capture_output=True, text=True, timeout=120)
+    assert module.returncode == 0 and module.stdout == result.stdout  # python -m warpspec is the same command
 
 
 def test_generate_json_matches_the_python_api(checkpoint):

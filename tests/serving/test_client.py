@@ -37,9 +37,12 @@ def test_client_command(serving_stack, reference_llm, capsys):
                  "--json"]) == 0
     reply = json.loads(capsys.readouterr().out)
     assert reply["text"] == expected.text and reply["finish_reason"] == "length"
+    # Greedy by default, as `warpspec generate` is.
+    assert main(["client", "generate", *target, "--prompt", "Hello", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out == expected.text + "\n"
     assert main(["client", "health", *target]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
     with pytest.raises(SystemExit) as exit_:
         main(["client", "generate", *target, "--prompt", "Hello", "--max-tokens", "-1"])
-    assert exit_.value.code == 1
+    assert exit_.value.code == 2  # refused input, as everywhere on the command line
     assert "INVALID_ARGUMENT: params.max_tokens must be >= 1" in capsys.readouterr().err

@@ -37,13 +37,17 @@ def test_token_id_prompts_and_errors_name_the_field():
 
 
 def test_openai_completion_and_chat_bodies():
-    prompt, params = completion_request({"model": "m", "prompt": ["hi"], "max_tokens": 3, "stop": "\n",
-                                         "user": "u", "n": 1, "top_k": 5}, 64)
-    assert prompt == "hi" and (params.max_tokens, params.stop, params.top_k) == (3, ["\n"], 5)
-    prompt, _ = completion_request({"model": "m", "prompt": [[1, 2]]}, 64)
-    assert prompt == [1, 2]
-    with pytest.raises(InvalidRequestError, match="one prompt per request"):
-        completion_request({"model": "m", "prompt": ["a", "b"]}, 64)
+    request = completion_request({"model": "m", "prompt": ["hi"], "max_tokens": 3, "stop": "\n",
+                                  "user": "u", "n": 1, "top_k": 5}, 64)
+    params = request.params
+    assert request.prompts == ["hi"] and (params.max_tokens, params.stop, params.top_k) == (3, ["\n"], 5)
+    assert completion_request({"model": "m", "prompt": [[1, 2]]}, 64).prompts == [[1, 2]]
+    assert completion_request({"model": "m", "prompt": [1, 2]}, 64).prompts == [[1, 2]]
+    assert completion_request({"model": "m", "prompt": ["a", [3]]}, 64).prompts == ["a", [3]]
+    # echo with logprobs asks the engine for the prompt's logprobs; max_tokens 0 scores the prompt alone.
+    request = completion_request({"model": "m", "prompt": "a", "echo": True, "logprobs": 2, "max_tokens": 0}, 64)
+    assert (request.echo, request.prompt_only, request.params.prompt_logprobs, request.params.max_tokens) == (
+        True, True, 2, 1)
     messages, params = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                      "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}, 64)
     assert messages[0]["content"] == "x" and (params.max_tokens, params.logprobs) == (5, 2)
