@@ -3,7 +3,8 @@ pair (text neither model saw in training) with its own next words or with anothe
 
     python -m warpspec.benchmarks.lm_eval_task runs/lm_eval
     lm_eval --model local-completions --include_path runs/lm_eval --tasks warpspec_held_out \\
-        --model_args model=tiny-maverick,base_url=http://localhost:8000/v1/completions,tokenizer_backend=huggingface,tokenizer=assets/tiny-maverick
+        --model_args model=tiny-maverick,base_url=http://localhost:8000/v1/completions,\\
+tokenizer_backend=huggingface,tokenizer=assets/tiny-maverick,add_bos_token=True
 
 Each item is scored as lm-eval scores any multiple-choice task over an API: one /v1/completions
 request per choice with `echo`, `logprobs` 1 and `max_tokens` 1, summing the logprobs of the
