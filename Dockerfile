@@ -21,4 +21,4 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch>=2.6" \
 WORKDIR /home/ray/warpspec
 COPY --chown=ray:users . .
 # Pinning Ray to the image's own version keeps pip from replacing it while resolving "ray[serve]>=2.40".
-RUN pip install --no-cache-dir . "ray[serve]==${RAY_VERSION}"
+RUN pip install --no-cache-dir ".[gpu]" "ray[serve]==${RAY_VERSION}"
