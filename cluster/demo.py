@@ -82,11 +82,8 @@ def run_demo(args: argparse.Namespace) -> None:
     if not 1 <= args.requests <= len(prompts):
         raise ValueError(f"--requests must be in 1..{len(prompts)} (the bundled held-out prompts)")
 
-    import ray
-    from ray import serve
-
     from warpspec.ray_env import connect_ray
-    from warpspec.serving.serve_cli import start_serving
+    from warpspec.serving.serve_cli import start_serving, stop_serving
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = time.perf_counter()
@@ -101,8 +98,10 @@ def run_demo(args: argparse.Namespace) -> None:
               f"http://127.0.0.1:{args.http_port}/v1\n", flush=True)
         target = f"localhost:{args.grpc_port}"
         chosen = prompts[: args.requests]
-        print(f"streaming request 0 of {len(chosen)} (greedy, {args.max_tokens} tokens):\n")
-        print(chosen[0], end="", flush=True)
+        print(f"streaming request 0 of {len(chosen)} (greedy, {args.max_tokens} tokens). The model is a 10M-parameter\n"
+              "Llama 4 trained for an hour on 2 CPU cores: expect a few plausible words, then repetition.\n")
+        print(f"[prompt] {chosen[0]}", end="", flush=True)
+        print(" [model] ", end="", flush=True)
         begin = time.perf_counter()
         with ThreadPoolExecutor(len(chosen)) as pool:
             others = [pool.submit(run_request, target, p, args.max_tokens, False) for p in chosen[1:]]
@@ -110,6 +109,5 @@ def run_demo(args: argparse.Namespace) -> None:
             figures += [f.result() for f in others]
         print_table(figures, time.perf_counter() - begin)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_serving()
     print(f"\ndone in {time.perf_counter() - started:.0f} s; the local Ray cluster is stopped")

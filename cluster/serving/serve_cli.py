@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -40,7 +41,38 @@ def start_serving(args: dict[str, Any], grpc_port: int = 9000, http_port: int = 
 
     serve.start(http_options=HTTPOptions(host=host, port=http_port),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
-    serve.run(build_app(args), name=app_name, route_prefix="/")
+    # serve.run starts Serve again, finds the instance just started and says that "new
+    # http_options will not be applied": true of its own (absent) options, alarming to read here.
+    serve_logger = logging.getLogger("ray.serve")
+    reconnecting = _DropMessages("Connecting to existing Serve app")
+    serve_logger.addFilter(reconnecting)
+    try:
+        serve.run(build_app(args), name=app_name, route_prefix="/")
+    finally:
+        serve_logger.removeFilter(reconnecting)
+
+
+def stop_serving(app_name: str = DEFAULT_APP_NAME) -> None:
+    """Undo start_serving. On a cluster named by RAY_ADDRESS only this application is deleted (other
+    applications on it keep running). On the local cluster this process started, stopping Ray stops
+    Serve with it: Serve's own shutdown kills its controller while that controller's shutdown task is
+    still running, which Ray reports as a failed task ("graceful_shutdown failed ... killed by
+    ray.kill") on every stop."""
+    import ray
+    from ray import serve
+
+    if os.environ.get("RAY_ADDRESS"):
+        serve.delete(app_name)
+    ray.shutdown()
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -74,7 +106,6 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_serve_command(ns: argparse.Namespace) -> None:
-    import ray
 
     from warpspec.ray_env import connect_ray
 
@@ -112,9 +143,8 @@ def run_serve_command(ns: argparse.Namespace) -> None:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         with contextlib.suppress(KeyboardInterrupt):
             stop.wait()
+        print("warpspec: stopping", flush=True)
     finally:
-        from ray import serve
-
-        serve.shutdown()
-        if not os.environ.get("RAY_ADDRESS"):
-            ray.shutdown()
+        stop_serving()
+    where = "the application is deleted" if os.environ.get("RAY_ADDRESS") else "the local Ray cluster is down"
+    print(f"warpspec: stopped ({where})", flush=True)

@@ -73,6 +73,10 @@ def test_demo_streams_real_text_and_leaves_no_process():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| request | prompt | tokens | TTFT (ms) | tokens/s | acceptance length |" in result.stdout
     assert "3 concurrent requests: 72 tokens" in result.stdout
+    assert "[prompt] " in result.stdout and " [model] " in result.stdout  # where the prompt ends
+    # Start and stop say nothing alarming: neither Serve reconnecting to itself nor a killed controller.
+    output = result.stdout + result.stderr
+    assert "Connecting to existing Serve app" not in output and "graceful_shutdown failed" not in output
     deadline = time.monotonic() + 20
     while ray_processes((run_dir / "ray").resolve()) and time.monotonic() < deadline:
         time.sleep(0.5)

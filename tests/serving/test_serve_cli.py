@@ -43,9 +43,10 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        line = ""
+        line, startup = "", []
         while "warpspec: serving" not in line:
             line = process.stdout.readline()
+            startup.append(line)
             assert line or process.poll() is None, "warpspec serve exited early"
             assert time.monotonic() < deadline, "warpspec serve did not start within 120 s"
         with GenerationClient(f"127.0.0.1:{grpc_port}", timeout=30, api_key=key) as client:
@@ -71,8 +72,12 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
     finally:
         process.send_signal(signal.SIGTERM)
         try:
-            process.wait(timeout=60)
+            rest, _ = process.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             raise
     assert process.returncode == 0
+    # A clear last line, and nothing alarming on the way: neither Serve reconnecting to the instance
+    # it just started nor a controller killed mid-shutdown.
+    assert rest.strip().splitlines()[-1] == "warpspec: stopped (the local Ray cluster is down)", rest[-2000:]
+    assert "Connecting to existing Serve app" not in "".join(startup) + rest and "graceful_shutdown failed" not in rest
