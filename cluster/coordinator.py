@@ -41,8 +41,9 @@ from warpspec.errors import PlacementError, StepFailedError, WorkerDiedError
 from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.persistent_batch import BatchMirror
 from warpspec.workers.runner import StepOutput
-from warpspec.workers.step import StepInput
+from warpspec.workers.step import StepPlan
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
 
 
@@ -81,6 +82,7 @@ class Coordinator:
         check_parallel_layout(self.model_config, self.parallel.num_workers, self.parallel.moe_parallel)
         self.placement_group = placement_group
         self.workers, self.graph, self.rank0 = [], None, None  # self.workers: ranks 1..N-1
+        self.mirror = BatchMirror()  # what ranks 1..N-1 hold of the batch
         # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
         self.timings: deque[DispatchTiming] | None = None
         self.is_broken = False
@@ -194,13 +196,31 @@ class Coordinator:
                 failures.append(StepFailedError.caused_by([request.request_id], e))
         return failures
 
-    def execute(self, step: StepInput) -> StepOutput:
-        """The engine's executor: one step on every rank. Ranks 1..N-1 get it as a message; rank 0
-        runs it here, meeting them in the step's collectives, and its logits and hidden states stay."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """The engine's executor: one step on every rank. Ranks 1..N-1 get it as a delta against the
+        batch they keep (persistent_batch.py); rank 0 runs it here, meeting them in the step's
+        collectives, and its logits and hidden states stay."""
         if self.is_broken:
             raise WorkerDiedError("a worker of this replica died earlier; the replica must be rebuilt")
-        step_bytes = step.to_bytes() if self.workers else b""
+        step = plan.build()
+        step_bytes = b""
+        if self.workers:
+            step_bytes = self.mirror.delta(plan.seqs, plan.block_size, plan.aux_layer_ids,
+                                           plan.left_request_ids).to_bytes()
         start = time.perf_counter()
+        try:
+            output, replies = self._run_step(step, step_bytes)
+        except BaseException:
+            # Some rank may not have applied the delta: the next one sends the batch whole.
+            self.mirror.needs_reset = True
+            raise
+        if self.timings is not None:
+            slowest = max([output.compute_s, *(compute_s for compute_s, _ in replies)])
+            self.timings.append(DispatchTiming(time.perf_counter() - start, slowest, len(step_bytes),
+                                               max((len(r) for _, r in replies), default=0)))
+        return output
+
+    def _run_step(self, step, step_bytes: bytes) -> tuple[StepOutput, list]:
         try:
             if self.graph is not None:
                 pending = self.graph.execute(step_bytes)
@@ -219,11 +239,7 @@ class Coordinator:
                 raise e.cause from None
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
-        if self.timings is not None:
-            slowest = max([output.compute_s, *(compute_s for compute_s, _ in replies)])
-            self.timings.append(DispatchTiming(time.perf_counter() - start, slowest, len(step_bytes),
-                                               max((len(r) for _, r in replies), default=0)))
-        return output
+        return output, replies
 
     def record_timings(self, enabled: bool) -> None:
         """Start (or stop) keeping each step's DispatchTiming, the last MAX_TIMINGS of them."""

@@ -1,7 +1,7 @@
 """The engine loop, as one step: schedule, run the model, sample, append, finish.
 
     sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
-    out = executor.execute(step)      # the model: in-process, or the coordinator's workers
+    out = executor.execute(plan)      # the model: in-process, or the coordinator's workers
     tokens = sample(...) / verify_batch()  # one token, or the accepted drafts plus one, per sequence
     append, detokenize, check stops   # finished requests leave and free their blocks at once
     proposer.propose(...)             # when speculating: the next step's draft tokens
@@ -34,7 +34,7 @@ from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.sequence import Sequence
 from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
-from warpspec.workers.step import SequenceStep, StepInput
+from warpspec.workers.step import SequenceStep, StepPlan
 
 
 class LLMEngine:
@@ -62,6 +62,7 @@ class LLMEngine:
                                           config.seed)
         self.requests: dict[str, Sequence] = {}
         self.released: list[str] = []  # finished or aborted since the proposer last heard
+        self.left_request_ids: list[str] = []  # finished or aborted since the executor last heard
         self.spec_stats = SpeculationStats()
 
     def _load_proposer(self) -> Proposer | None:
@@ -154,9 +155,11 @@ class LLMEngine:
         for item in sched.scheduled:
             item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
             plan.append(SequenceStep(item.token_ids, item.num_cached,
-                                     self.block_manager.block_tables[item.seq.request_id], self._logits_from(item)))
-        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else None
-        output = self.executor.execute(StepInput.build(plan, self.block_size, aux_layer_ids))
+                                     self.block_manager.block_tables[item.seq.request_id], self._logits_from(item),
+                                     item.seq.request_id))
+        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else []
+        left, self.left_request_ids = self.left_request_ids, []
+        output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left))
         logits = output.logits
 
         # Per scheduled sequence, the row of `logits` at its last known token: the sampled row, or the
@@ -277,7 +280,9 @@ class LLMEngine:
             self.released = []
 
     def _release(self, request_id: str) -> None:
-        """Tell the proposer (with its next call) to forget a request that left."""
+        """Tell the executor (with the next step) and the proposer (with its next call) to forget a
+        request that left."""
+        self.left_request_ids.append(request_id)
         if self.proposer is not None:
             self.released.append(request_id)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from warpspec.config import EngineConfig
 from warpspec.workers.runner import ModelRunner, StepOutput
-from warpspec.workers.step import StepInput
+from warpspec.workers.step import StepPlan
 
 
 class LocalExecutor:
@@ -17,8 +17,8 @@ class LocalExecutor:
         self.model_config = self.runner.config
         self.num_blocks = self.runner.num_blocks
 
-    def execute(self, step: StepInput) -> StepOutput:
-        return self.runner.execute(step)
+    def execute(self, plan: StepPlan) -> StepOutput:
+        return self.runner.execute(plan.build())
 
     def shutdown(self) -> None:
         self.runner = None

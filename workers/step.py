@@ -22,6 +22,21 @@ class SequenceStep:
     num_cached: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # KV blocks covering at least num_cached + len(token_ids) tokens
     logits_from: int  # return logits for new tokens [logits_from, len(token_ids))
+    request_id: str = ""  # names the sequence across steps (persistent_batch.py)
+
+
+@dataclass
+class StepPlan:
+    """One step as the engine hands it to an executor: the scheduled sequences, in order, and the
+    requests that left since the previous step (ranks keeping a persistent batch forget them)."""
+
+    seqs: list[SequenceStep]
+    block_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)
+    left_request_ids: list[str] = field(default_factory=list)
+
+    def build(self) -> StepInput:
+        return StepInput.build(self.seqs, self.block_size, self.aux_layer_ids)
 
 
 @dataclass

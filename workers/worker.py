@@ -15,8 +15,8 @@ import torch
 from warpspec.workers.comm import CommInit, make_communicator
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.persistent_batch import PersistentBatch, StepDelta
 from warpspec.workers.runner import ModelRunner
-from warpspec.workers.step import StepInput
 
 
 @dataclass
@@ -50,6 +50,7 @@ class ShardWorker:
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
                                   cuda_graphs=config.cuda_graphs, quantization=config.quantization,
                                   moe_parallel=config.moe_parallel)
+        self.batch = PersistentBatch()
 
     def info(self) -> WorkerInfo:
         report = self.runner.model.load_report
@@ -57,9 +58,10 @@ class ShardWorker:
                           report.param_bytes)
 
     def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
-        """Encoded StepInput -> (compute seconds, encoded StepOutput with logits only on rank 0). The
-        time travels beside the payload so the coordinator need not decode logits to read it."""
-        output = self.runner.execute(StepInput.from_bytes(step_bytes))
+        """Encoded StepDelta -> (compute seconds, encoded StepOutput). The delta brings this rank's
+        persistent batch to the step (persistent_batch.py). The time travels beside the payload so
+        the coordinator need not decode it to read the time."""
+        output = self.runner.execute(self.batch.apply(StepDelta.from_bytes(step_bytes)))
         return output.compute_s, output.to_bytes()
 
     def num_collectives(self) -> int:

@@ -1,0 +1,119 @@
+"""The step message to ranks 1..N-1: deltas against a batch each rank keeps, not the whole step.
+
+A rank learns a request's block table once, then only the blocks appended to it; each step names the
+scheduled requests by a small slot number with their new tokens. The rank rebuilds the StepInput
+itself. A decode step of 8 sequences is then ~100 bytes whatever the context length, where the full
+StepInput carries every block table again (a Maverick context of 4,096 tokens is 256 block ids per
+sequence, per step).
+
+    coordinator: BatchMirror.delta(plan) -> StepDelta --msgpack--> rank r: PersistentBatch.apply -> StepInput
+
+The mirror must know what every rank holds, so a step that failed anywhere makes the next delta a
+reset that sends the scheduled requests' tables whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from warpspec.workers import wire
+from warpspec.workers.step import SequenceStep, StepInput
+
+VERSION = 1  # of the message layout; a rank refuses another
+
+
+@dataclass
+class StepDelta:
+    block_size: int
+    # [slot, num_cached, token_ids, logits_from] per scheduled sequence, in the step's order.
+    seqs: list[list] = field(default_factory=list)
+    # [slot, start, block ids]: the slot's table from index `start` on (0: the whole table, new or replaced).
+    tables: list[list] = field(default_factory=list)
+    forget: list[int] = field(default_factory=list)  # slots of requests that left
+    aux_layer_ids: list[int] = field(default_factory=list)
+    reset: bool = False  # forget every slot first
+    version: int = VERSION
+
+    def to_bytes(self) -> bytes:
+        return wire.encode({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepDelta:
+        message = wire.decode(data)
+        if message.get("version") != VERSION:
+            raise ValueError(f"step message version {message.get('version')!r}; this worker reads version "
+                             f"{VERSION} (coordinator and workers run different warpspec versions)")
+        return cls(**message)
+
+
+@dataclass
+class _Sent:
+    slot: int
+    table: list[int]  # the engine's own list, which grows in place while the request holds its blocks
+    num_sent: int
+
+
+class BatchMirror:
+    """The coordinator's record of what ranks 1..N-1 hold, and the delta that brings them to a plan."""
+
+    def __init__(self):
+        self.sent: dict[str, _Sent] = {}
+        self.free_slots: list[int] = []
+        self.needs_reset = False
+
+    def delta(self, seqs: list[SequenceStep], block_size: int, aux_layer_ids: list[int],
+              left_request_ids: list[str]) -> StepDelta:
+        delta = StepDelta(block_size, aux_layer_ids=list(aux_layer_ids), reset=self.needs_reset)
+        if self.needs_reset:
+            self.sent.clear()
+            self.free_slots.clear()
+            self.needs_reset = False
+        for request_id in left_request_ids:
+            sent = self.sent.pop(request_id, None)
+            if sent is not None:
+                delta.forget.append(sent.slot)
+                self.free_slots.append(sent.slot)
+        for seq in seqs:
+            sent = self.sent.get(seq.request_id)
+            if sent is None:
+                slot = self.free_slots.pop() if self.free_slots else len(self.sent) + len(self.free_slots)
+                sent = self.sent[seq.request_id] = _Sent(slot, seq.block_table, 0)
+            elif sent.table is not seq.block_table:
+                # A request that lost its blocks (preempted) comes back with a new table: send it whole.
+                sent.table, sent.num_sent = seq.block_table, 0
+            if len(seq.block_table) > sent.num_sent:
+                delta.tables.append([sent.slot, sent.num_sent, seq.block_table[sent.num_sent:]])
+                sent.num_sent = len(seq.block_table)
+            delta.seqs.append([sent.slot, seq.num_cached, seq.token_ids, seq.logits_from])
+        return delta
+
+
+class PersistentBatch:
+    """A rank's block tables by slot, kept in step with the coordinator's BatchMirror."""
+
+    def __init__(self):
+        self.tables: dict[int, list[int]] = {}
+
+    def apply(self, delta: StepDelta) -> StepInput:
+        if delta.reset:
+            self.tables.clear()
+        for slot in delta.forget:
+            self.tables.pop(slot, None)
+        for slot, start, blocks in delta.tables:
+            if start == 0:
+                self.tables[slot] = list(blocks)
+                continue
+            table = self.tables.get(slot)
+            if table is None or len(table) != start:
+                raise ValueError(f"step message out of step: slot {slot} holds "
+                                 f"{'no table' if table is None else f'{len(table)} blocks'}, the message "
+                                 f"appends from block {start}")
+            table.extend(blocks)
+        seqs = []
+        for slot, num_cached, token_ids, logits_from in delta.seqs:
+            table = self.tables.get(slot)
+            if table is None or len(table) * delta.block_size < num_cached + len(token_ids):
+                raise ValueError(f"step message out of step: slot {slot} has no table covering "
+                                 f"{num_cached + len(token_ids)} tokens")
+            seqs.append(SequenceStep(token_ids, num_cached, table, logits_from))
+        return StepInput.build(seqs, delta.block_size, delta.aux_layer_ids)
