@@ -11,15 +11,14 @@ whole experts per rank ("expert"), on one target, side by side:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_TARGET, held_out_prompts
+from warpspec.benchmarks.report import write_report
 from warpspec.kernels import moe_experts, route_topk_sigmoid
 from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
@@ -134,9 +133,5 @@ def main(argv: list[str] | None = None) -> int:
                "expert_times": expert_times(args.target, args.num_workers, batches, args.expert_repeats)}
     table = tables(results, args.num_workers)
     print(f"target {args.target}, float32\n\n{table}")
-    out = Path(args.run_dir, "bench")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "moe.md").write_text(table + "\n")
-    print(f"\nwrote {out / 'moe.json'} and moe.md")
+    write_report(args.run_dir, "moe", results, table)
     return 0

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import time
-from pathlib import Path
 
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.async_llm import AsyncLLM
+from warpspec.benchmarks.report import write_report
+from warpspec.benchmarks.spec import measure
 from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.spec_stats import SpeculationStats
 
 MODES = ("none", "rejection", "coupled")
 CROWD_ENGINE = dict(num_kv_blocks=40, max_num_batched_tokens=48)
@@ -113,17 +111,6 @@ def measure_prefix(target: str, draft: str, k: int, args) -> list[dict]:
     return rows
 
 
-def _rate(llm: LLM, prompts, params, repeats: int):
-    llm.generate(prompts, [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)] * len(prompts))  # warm up
-    llm.engine.spec_stats = SpeculationStats()  # count the measured runs only
-    walls, outs = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        walls.append(time.perf_counter() - start)
-    return params[0].max_tokens / sorted(walls)[len(walls) // 2], [o.token_ids for o in outs]
-
-
 def measure_coupling(target: str, draft: str, k: int, args) -> list[dict]:
     prompts = held_out_prompts()[: args.batch]
     rows = []
@@ -133,9 +120,9 @@ def measure_coupling(target: str, draft: str, k: int, args) -> list[dict]:
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             params = [SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i, ignore_eos=True)
                       for i in range(len(prompts))]
-            plain_rate, plain_tokens = _rate(plain, prompts, params, args.repeats)
-            rejection_rate, _ = _rate(rejection, prompts, params, args.repeats)
-            coupled_rate, coupled_tokens = _rate(coupled, prompts, params, args.repeats)
+            plain_rate, plain_tokens = measure(plain, prompts, args.new_tokens, args.repeats, params)
+            rejection_rate, _ = measure(rejection, prompts, args.new_tokens, args.repeats, params)
+            coupled_rate, coupled_tokens = measure(coupled, prompts, args.new_tokens, args.repeats, params)
             rows.append({"temperature": temperature, "batch": len(prompts), "plain_tokens_per_s_per_user": plain_rate,
                          "rejection_tokens_per_s_per_user": rejection_rate,
                          "rejection_acceptance_length": rejection.engine.spec_stats.acceptance_length,
@@ -194,9 +181,5 @@ def main(argv: list[str] | None = None) -> int:
         results["coupling"] = measure_coupling(args.target, args.draft, k, args)
     table = tables(results)
     print(f"target {args.target}, draft {args.draft}, k={k}, float32, {args.new_tokens} new tokens\n\n{table}")
-    out = Path(args.run_dir, "bench")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "seeds.json").write_text(json.dumps(results, indent=2) + "\n")
-    (out / "seeds.md").write_text(table + "\n")
-    print(f"\nwrote {out / 'seeds.json'} and seeds.md")
+    write_report(args.run_dir, "seeds", results, table)
     return 0

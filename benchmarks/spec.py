@@ -6,10 +6,9 @@ acceptance rate, and the draft's share of step time. Greedy, so both runs emit t
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
+from warpspec.benchmarks.report import write_report
 from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_stats import SpeculationStats
@@ -20,8 +19,10 @@ def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[list[int]]:
     return [[1, *[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(prompt_len - 1)]] for i in range(batch)]
 
 
-def measure(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+def measure(llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int,
+            params: list[SamplingParams] | None = None) -> tuple[float, list[list[int]]]:
+    """Tokens/s per user (median of repeats) and the tokens; params: per prompt, greedy by default."""
+    params = params or SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm up, compile
     llm.engine.spec_stats = SpeculationStats()  # count the measured runs only
     walls, outs = [], []
@@ -76,9 +77,5 @@ def main(argv: list[str] | None = None) -> int:
                      f"| {r['eager_draft_tokens_per_s_per_user']:.1f} | {r['same_tokens']} |")
     table = "\n".join(lines)
     print(table)
-    out = Path(args.run_dir, "bench")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "spec.md").write_text(table + "\n")
-    print(f"\nwrote {out / 'spec.json'} and spec.md")
+    write_report(args.run_dir, "spec", rows, table)
     return 0

@@ -51,3 +51,17 @@ def make_eagle3_checkpoint(path: Path, hidden: int, vocab: int, draft_vocab: int
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True}
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def make_speculation_target(path: Path) -> Path:
+    """The target the speculative-decoding tests draft for: 6 layers (aux layers 1, 3, 4 exist),
+    chunked attention and NoPE layers both exercised, every second layer MoE."""
+    from hf_checkpoints import make_text_checkpoint
+
+    return make_text_checkpoint(path, num_hidden_layers=6, attention_chunk_size=8, floor_scale=4,
+                                interleave_moe_layer_step=2)
+
+
+def make_speculation_draft(path: Path) -> Path:
+    """A random EAGLE-3 draft for make_speculation_target: half its vocabulary, its layers 1, 3, 4."""
+    return make_eagle3_checkpoint(path, hidden=64, vocab=160, draft_vocab=64, aux_layer_ids=[1, 3, 4])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from staggered import run_staggered
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
@@ -38,16 +39,7 @@ def test_random_arrivals_match_solo_runs(checkpoint):
     # 20 blocks of 4 tokens hold ~80 tokens: far less than the requests need at once.
     with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=20, max_num_batched_tokens=16) as llm:
         engine = llm.engine
-        got, step = {}, 0
-        pending = sorted(requests, key=lambda r: r[3])
-        while pending or engine.has_unfinished():
-            while pending and pending[0][3] <= step:
-                rid, prompt, params, _ = pending.pop(0)
-                engine.add_sequence(engine.make_sequence(rid, prompt, params))
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = out
-            step += 1
+        got = run_staggered(engine, requests)
         assert engine.scheduler.num_preemptions > 0  # the tiny cache did force recomputes
         assert engine.block_manager.stats.hit_tokens > 0  # and the shared prefix was reused
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # no leaks

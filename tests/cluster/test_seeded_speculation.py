@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-from eagle3_checkpoints import make_eagle3_checkpoint
+from eagle3_checkpoints import make_speculation_draft, make_speculation_target
+from staggered import run_staggered
 
-from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
 from warpspec.async_llm import AsyncLLM
 
@@ -23,14 +23,12 @@ CROWD = dict(block_size=BLOCK, num_kv_blocks=20, max_num_batched_tokens=16)
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return make_text_checkpoint(tmp_path_factory.mktemp("target"), num_hidden_layers=6, attention_chunk_size=8,
-                                floor_scale=4, interleave_moe_layer_step=2)
+    return make_speculation_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory):
-    return make_eagle3_checkpoint(tmp_path_factory.mktemp("draft"), hidden=64, vocab=160, draft_vocab=64,
-                                  aux_layer_ids=[1, 3, 4])
+    return make_speculation_draft(tmp_path_factory.mktemp("draft"))
 
 
 def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]:
@@ -89,16 +87,7 @@ def test_staggered_crowd_matches_each_request_alone(target, draft, alone_without
     requests = _requests()
     with LLM(str(target), dtype="float32", **CROWD, **_options(speculation, draft)) as llm:
         engine = llm.engine
-        got, step = {}, 0
-        pending = sorted(requests, key=lambda r: r[3])
-        while pending or engine.has_unfinished():
-            while pending and pending[0][3] <= step:
-                rid, prompt, params, _ = pending.pop(0)
-                engine.add_sequence(engine.make_sequence(rid, prompt, params))
-            for out in engine.step():
-                if out.finished:
-                    got[out.request_id] = out.token_ids
-            step += 1
+        got = {rid: out.token_ids for rid, out in run_staggered(engine, requests).items()}
         assert engine.scheduler.num_preemptions > 0  # the tiny cache did force recomputes
         assert engine.block_manager.stats.hit_tokens > 0  # and the shared opening was reused
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # no leaks

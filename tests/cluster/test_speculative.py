@@ -7,9 +7,8 @@ import random
 
 import pytest
 import torch
-from eagle3_checkpoints import make_eagle3_checkpoint
+from eagle3_checkpoints import make_eagle3_checkpoint, make_speculation_draft, make_speculation_target
 
-from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
 from warpspec.keyed_random import KeyedRandom
 from warpspec.proposer import DraftRequest, Drafts
@@ -24,14 +23,12 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    return make_text_checkpoint(tmp_path_factory.mktemp("target"), num_hidden_layers=6, attention_chunk_size=8,
-                                floor_scale=4, interleave_moe_layer_step=2)
+    return make_speculation_target(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
 def draft(tmp_path_factory):
-    return make_eagle3_checkpoint(tmp_path_factory.mktemp("draft"), hidden=64, vocab=160, draft_vocab=64,
-                                  aux_layer_ids=[1, 3, 4])
+    return make_speculation_draft(tmp_path_factory.mktemp("draft"))
 
 
 def _prompts(lengths=(5, 17, 30, 1, 9)) -> list[list[int]]:

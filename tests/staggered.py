@@ -1,0 +1,21 @@
+"""Requests that arrive at chosen steps of an engine's own loop, as continuous batching sees them."""
+
+from __future__ import annotations
+
+from warpspec.outputs import RequestOutput
+
+
+def run_staggered(engine, requests) -> dict[str, RequestOutput]:
+    """requests: (request id, prompt, params, the step it arrives at). Steps the LLMEngine until every
+    request has finished; returns each one's final output by id."""
+    finished, step = {}, 0
+    pending = sorted(requests, key=lambda r: r[3])
+    while pending or engine.has_unfinished():
+        while pending and pending[0][3] <= step:
+            request_id, prompt, params, _ = pending.pop(0)
+            engine.add_sequence(engine.make_sequence(request_id, prompt, params))
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        step += 1
+    return finished
