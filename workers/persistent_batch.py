@@ -2,7 +2,7 @@
 
 A rank learns a request's block table once, then only the blocks appended to it; each step names the
 scheduled requests by a small slot number with their new tokens. The rank rebuilds the StepInput
-itself. A decode step of 8 sequences is then ~100 bytes whatever the context length, where the full
+itself. A decode step of 8 sequences is then ~130 bytes whatever the context length, where the full
 StepInput carries every block table again (a Maverick context of 4,096 tokens is 256 block ids per
 sequence, per step).
 
