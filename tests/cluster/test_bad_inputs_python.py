@@ -206,3 +206,12 @@ def test_unknown_model_paths_and_mismatched_drafts(target, tmp_path):
     with pytest.raises(CheckpointError, match="no-such-draft"):
         LLM(str(target), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=16,
             draft=str(tmp_path / "no-such-draft"), compile_draft=False)
+
+
+def test_a_token_budget_that_cannot_hold_a_verification_is_refused(target, tmp_path):
+    """A verification runs the last token and all k drafts in one step or waits (scheduler.py): a
+    budget under k + 1 would wait forever, so it is refused before anything loads."""
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least num_speculative_tokens "
+                                         r"\+ 1 = 5 when speculating, got 4"):
+        LLM(str(target), dtype="float32", draft=str(tmp_path / "never-read"), num_speculative_tokens=4,
+            max_num_batched_tokens=4)
