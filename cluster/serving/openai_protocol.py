@@ -121,7 +121,7 @@ def completion_request(body: dict, max_model_len: int, limits: RequestLimits | N
     if len(prompts) > 1 and body.get("stream"):
         raise InvalidRequestError(f"stream takes one prompt per request, got {len(prompts)}")
     body = dict(body)
-    prompt_only = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    prompt_only = type(body.get("max_tokens")) is int and body["max_tokens"] == 0  # not False, not 0.0
     if prompt_only:
         if not echo:
             raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo, to score the prompt alone)")
