@@ -4,8 +4,9 @@ whole experts per rank ("expert"), on one target, side by side:
 - end to end over N Ray workers: tokens/s per user at several batch sizes (greedy; both modes must
   emit the same tokens);
 - each rank's routed-expert time per decode step: the MoE inputs of a real decode step are captured
-  in-process, then every rank's share of the experts (its width slices, or its whole experts) is
-  timed on them. The slowest rank is the step's critical path; max / mean is the imbalance.
+  in-process, then every rank's share of the experts, as the loader gives it that rank (its width
+  slices, or its whole experts), is timed on them. The slowest rank is the step's critical path;
+  max / mean is the imbalance.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from warpspec.benchmarks.report import write_report
 from warpspec.kernels import moe_experts, route_topk_sigmoid
 from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.workers.layers import even_split
+from warpspec.workers.comm import Communicator
 from warpspec.workers.llama4 import Llama4MoE
+from warpspec.workers.loader import load_model
 
 MODES = ("tensor", "expert")
 
@@ -65,34 +67,30 @@ def capture_moe_inputs(target: str, batch: int) -> list[tuple[Llama4MoE, torch.T
     return captured[-len(moes):]  # the decode step: one token per sequence
 
 
-def rank_shares(moe: Llama4MoE, mode: str, rank: int, num_workers: int):
-    """(gate_up, down, first_expert) that rank holds of moe's experts under mode."""
-    gate_up, down = moe.experts.gate_up_proj.data, moe.experts.down_proj.data
-    if mode == "expert":
-        first, end = even_split(gate_up.shape[0], num_workers, rank)
-        return gate_up[first:end], down[first:end], first
-    inter = down.shape[1]
-    local = inter // num_workers
-    rows = torch.arange(rank * local, (rank + 1) * local)
-    gate_up_cols = torch.cat([rows, inter + rows])  # gate and up side by side, as Llama4Experts loads them
-    return gate_up[:, :, gate_up_cols].contiguous(), down[:, rows].contiguous(), 0
+def rank_experts(target: str, mode: str, rank: int, num_workers: int) -> list[Llama4MoE]:
+    """Rank's MoE layers as the loader builds them under mode (its slices of every expert, or its
+    whole experts), loaded in-process: no collective runs while loading."""
+    model = load_model(target, "float32", comm=Communicator(rank, num_workers), moe_parallel=mode)
+    return [m for m in model.modules() if isinstance(m, Llama4MoE)]
 
 
 def expert_times(target: str, num_workers: int, batches: list[int], repeats: int) -> list[dict]:
     rows = []
     for batch in batches:
         layers = capture_moe_inputs(target, batch)
-        work = {}  # (mode, rank) -> per layer (x, gate_up, down, first_expert, expert_ids, scores)
+        work = {}  # (mode, rank) -> per layer (x, the rank's experts, expert_ids, scores)
         for mode in MODES:
             for rank in range(num_workers):
-                work[mode, rank] = [(x, *rank_shares(moe, mode, rank, num_workers),
-                                     *route_topk_sigmoid(moe.router(x), moe.top_k)) for moe, x in layers]
+                shards = rank_experts(target, mode, rank, num_workers)
+                work[mode, rank] = [(x, shard.experts, *route_topk_sigmoid(moe.router(x), moe.top_k))
+                                    for (moe, x), shard in zip(layers, shards, strict=True)]
         samples: dict[tuple[str, int], list[float]] = {key: [] for key in work}
         for _ in range(repeats):  # round robin, so that drift on a busy machine hits every share alike
             for key, layer_work in work.items():
                 start = time.perf_counter()
-                for x, gate_up, down, first, expert_ids, scores in layer_work:
-                    moe_experts(x, gate_up, down, expert_ids, scores, first_expert=first)
+                for x, experts, expert_ids, scores in layer_work:
+                    moe_experts(x, experts.gate_up_proj, experts.down_proj, expert_ids, scores,
+                                first_expert=experts.first_expert)
                 samples[key].append(time.perf_counter() - start)
         for mode in MODES:
             per_rank = [statistics.median(samples[mode, rank]) * 1e3 for rank in range(num_workers)]

@@ -56,6 +56,8 @@ class Eagle3Proposer:
         self.block_size = block_size
         self.aux_layer_ids = c.aux_layer_ids
         self.num_blocks = num_blocks  # the engine's; scratch blocks follow them (see _with_scratch)
+        # [draft_vocab] target id of every draft id, on the CPU where drafts are sampled.
+        self.target_ids = self.draft.to_target_ids(torch.arange(c.draft_vocab_size)).cpu()
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
         if compile:
@@ -84,7 +86,7 @@ class Eagle3Proposer:
         temperature = torch.tensor([r.temperature or 1.0 for r in requests])
         draft_probs = (logits / temperature[:, None]).softmax(dim=-1)
         target_vocab = self.draft.embed_tokens.shape[0]
-        target_ids = self.draft.to_target_ids(torch.arange(logits.shape[-1])).cpu()  # [draft_vocab]
+        target_ids = self.target_ids
         noise = torch.stack([
             # Coupled: the target's own noise row at this position, read at the draft vocabulary's ids.
             exponential_noise([r.draft_generator(step)], target_vocab)[0, target_ids] if r.coupled
