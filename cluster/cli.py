@@ -25,7 +25,8 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
     with LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-             num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization) as llm:
+             num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
+             deterministic=args.deterministic) as llm:
         out = llm.generate([prompt], params)[0]
     if args.json:
         print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "text": out.text,
@@ -80,6 +81,7 @@ BENCHMARKS = {name: f"warpspec.benchmarks.{name}"
               for name in ("compare", "dispatch", "throughput", "spec", "seeds", "serve", "gpu_check", "load")}
 BENCHMARKS["fp8"] = "warpspec.benchmarks.fp8_quality"
 BENCHMARKS["moe"] = "warpspec.benchmarks.moe_parallel"
+BENCHMARKS["deterministic"] = "warpspec.benchmarks.deterministic"
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "(an fbgemm_fp8 checkpoint loads as FP8 without it)")
     gen.add_argument("--draft", help="EAGLE-3 draft checkpoint folder: speculative decoding")
     gen.add_argument("--num-speculative-tokens", type=int, default=3)
+    gen.add_argument("--deterministic", action="store_true", help="batch-invariant steps (see the README)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token ids and text")
     gen.set_defaults(func=_generate)
 

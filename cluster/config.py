@@ -111,6 +111,9 @@ class EngineConfig:
     # On CUDA devices decode and verification steps replay captured CUDA graphs; True runs every step
     # eagerly (debugging, profiling single kernels).
     enforce_eager: bool = False
+    # Every row computed to the same bits whatever else the step holds (kernels/batch_invariant.py):
+    # greedy output in bf16 then depends neither on the other requests nor on speculation.
+    deterministic: bool = False
 
     def cuda_graph_config(self):
         from warpspec.workers.cuda_graphs import CudaGraphConfig
@@ -130,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be at least num_speculative_tokens + 1 = {k + 1} "
                              f"when speculating, got {self.scheduler.max_num_batched_tokens}")
         check_quantization(self.quantization)
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
 
 
 def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
@@ -140,11 +145,12 @@ def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None 
                   moe_parallel: str = "tensor",
                   draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
                   compile_draft: bool = True, coupled_verification: bool = False, run_dir: str = "runs",
-                  enforce_eager: bool = False, quantization: str | None = None) -> EngineConfig:
+                  enforce_eager: bool = False, quantization: str | None = None,
+                  deterministic: bool = False) -> EngineConfig:
     """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
     return EngineConfig(
         model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
-        enforce_eager=enforce_eager, quantization=quantization,
+        enforce_eager=enforce_eager, quantization=quantization, deterministic=deterministic,
         cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   enable_prefix_caching=enable_prefix_caching,

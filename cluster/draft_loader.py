@@ -33,7 +33,7 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
         # Compiled kernels are cached here, so a restart does not pay the compile again.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.run_dir, "inductor").resolve()))
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
-                          compile=spec.compile_draft)
+                          compile=spec.compile_draft, deterministic=config.deterministic)
 
 
 def draft_device(target_device: str) -> torch.device:

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from warpspec.kernels import PagedAttentionMetadata
+from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import exponential_noise
 from warpspec.workers.eagle3 import Eagle3Draft
@@ -49,8 +49,11 @@ class CompiledWithFallback:
 
 class Eagle3Proposer:
     def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
-                 compile: bool = True):
+                 compile: bool = True, deterministic: bool = False):
+        """deterministic: draft in kernels/batch_invariant.py's mode, eagerly (the mode's float64
+        weight copies are made on first use, a side effect torch.compile would not keep)."""
         c = draft.config
+        self.deterministic = deterministic
         self.device = torch.device(device)
         self.draft = draft.move_to(self.device)
         self.block_size = block_size
@@ -60,7 +63,7 @@ class Eagle3Proposer:
         self.target_ids = self.draft.to_target_ids(torch.arange(c.draft_vocab_size)).cpu()
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
-        if compile:
+        if compile and not deterministic:
             # The dense halves around attention take only tensors whose one varying size is the token
             # count, so one dynamic-shape graph serves every step.
             draft.before_attention = CompiledWithFallback(draft.before_attention, "the EAGLE-3 draft")
@@ -124,6 +127,10 @@ class Eagle3Proposer:
         """aux_hidden: the step's captured hidden states (each [num_tokens, hidden])."""
         if not requests:
             return []
+        with batch_invariant.deterministic(self.deterministic):
+            return self._propose(requests, aux_hidden)
+
+    def _propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:
         features = torch.cat(aux_hidden, dim=-1).to(self.device, self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
         plan = [SequenceStep(r.token_ids, r.first_position, r.block_table,
                              logits_from=r.num_positions - 1 if r.num_drafts else r.num_positions) for r in requests]

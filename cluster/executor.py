@@ -13,7 +13,7 @@ class LocalExecutor:
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device,
                                   cuda_graphs=config.cuda_graph_config(), quantization=config.quantization,
-                                  moe_parallel=config.parallel.moe_parallel)
+                                  moe_parallel=config.parallel.moe_parallel, deterministic=config.deterministic)
         self.model_config = self.runner.config
         self.num_blocks = self.runner.num_blocks
 

@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import use_triton
 
 
@@ -105,9 +106,13 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
     q = query[:, None] if meta.is_decode else query[padded["token_index"]]  # [num_seqs, max_q, heads, dim]
     k = key_cache.view(-1, num_kv_heads, head_dim)[padded["slots"]]
     v = value_cache.view(-1, num_kv_heads, head_dim)[padded["slots"]]
+    if batch_invariant.is_enabled():
+        # Padded to the batch's longest context: in float64 the masked positions' exact zeros and
+        # the order of the sums leave each row's rounded output as it would be alone.
+        q, k, v = q.double(), k.double(), v.double()
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=meta.mask(chunk_size), scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2)
+    out = out.transpose(1, 2).to(query.dtype)
     return out[:, 0] if meta.is_decode else out[padded["is_real_query"]]
 
 

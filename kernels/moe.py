@@ -9,6 +9,8 @@ Triton versions (kernels/triton/moe.py, on CUDA tensors) dequantize tile by tile
 import torch
 import torch.nn.functional as F
 
+from warpspec.kernels import batch_invariant
+from warpspec.kernels.batch_invariant import float_dtype
 from warpspec.kernels.dispatch import use_triton
 
 
@@ -26,7 +28,7 @@ def route_topk_sigmoid(router_logits: torch.Tensor, top_k: int) -> tuple[torch.T
 
 def route_topk_sigmoid_reference(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1)
-    scores = torch.sigmoid(top_logits.float()).to(router_logits.dtype)
+    scores = torch.sigmoid(top_logits.to(float_dtype(top_logits))).to(router_logits.dtype)
     return expert_ids, scores
 
 
@@ -62,6 +64,17 @@ def dequantize_expert(weight: torch.Tensor, scale: torch.Tensor | None, dtype: t
     return (weight.float() * scale.float()[None, :]).to(dtype)
 
 
+def expert_ffn(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """One expert's SwiGLU on its tokens x [n, hidden]: w_gate_up [hidden, 2 * inter], w_down [inter,
+    hidden]. In deterministic mode each GEMM runs in float64 and rounds to x's dtype, as a bf16 GEMM
+    rounds its output."""
+    if not batch_invariant.is_enabled():
+        gate, up = (x @ w_gate_up).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w_down
+    gate, up = (x.double() @ w_gate_up.double()).to(x.dtype).chunk(2, dim=-1)
+    return (batch_invariant.silu_mul(gate, up).double() @ w_down.double()).to(x.dtype)
+
+
 def moe_experts_reference(x, gate_up_proj, down_proj, expert_ids, scores, first_expert=0,
                           gate_up_scale=None, down_scale=None) -> torch.Tensor:
     num_local = gate_up_proj.shape[0]
@@ -75,15 +88,18 @@ def moe_experts_reference(x, gate_up_proj, down_proj, expert_ids, scores, first_
     order = order[: sum(counts)]
     tokens = token_of[order]
     expert_in = x[tokens] * scores.reshape(-1)[order, None]
+    # Deterministic mode reads float64 copies, made once per parameter (FP8 experts dequantize per call).
+    use_copies = batch_invariant.is_enabled() and gate_up_scale is None
+    gate_up_weights = batch_invariant.float64_copy(gate_up_proj) if use_copies else gate_up_proj
+    down_weights = batch_invariant.float64_copy(down_proj) if use_copies else down_proj
     outputs = []
     for expert, chunk in enumerate(expert_in.split(counts)):
         if chunk.shape[0]:
-            w_gate_up = dequantize_expert(gate_up_proj[expert], None if gate_up_scale is None
+            w_gate_up = dequantize_expert(gate_up_weights[expert], None if gate_up_scale is None
                                           else gate_up_scale[expert], x.dtype)
-            w_down = dequantize_expert(down_proj[expert], None if down_scale is None else down_scale[expert],
+            w_down = dequantize_expert(down_weights[expert], None if down_scale is None else down_scale[expert],
                                        x.dtype)
-            gate, up = (chunk @ w_gate_up).chunk(2, dim=-1)
-            outputs.append((F.silu(gate) * up) @ w_down)
+            outputs.append(expert_ffn(chunk, w_gate_up, w_down))
     out = torch.zeros_like(x)
     if outputs:
         out.index_add_(0, tokens, torch.cat(outputs).to(x.dtype))  # bf16 under autocast in training

@@ -6,12 +6,14 @@ Each op dispatches to its Triton version on CUDA tensors (kernels/triton/norm.py
 import torch
 import torch.nn.functional as F
 
+from warpspec.kernels.batch_invariant import float_dtype
 from warpspec.kernels.dispatch import use_triton
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weightless RMSNorm (Llama 4's QK-norm), x * rsqrt(mean(x^2) + eps) in float32. [..., dim]"""
-    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
+    """Weightless RMSNorm (Llama 4's QK-norm), x * rsqrt(mean(x^2) + eps) in float32 (float64 in
+    deterministic mode). [..., dim]"""
+    return F.rms_norm(x.to(float_dtype(x)), (x.shape[-1],), eps=eps).type_as(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,8 +10,10 @@ from warpspec.kernels.norm import l2_norm
 
 
 def apply_rope_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; freqs_cis: [num_tokens, head_dim // 2] complex64."""
-    x_complex = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    """x: [num_tokens, num_heads, head_dim]; freqs_cis: [num_tokens, head_dim // 2] complex64
+    (complex128 in deterministic mode, workers/rope.rope_freqs_cis)."""
+    float_type = torch.float64 if freqs_cis.dtype == torch.complex128 else torch.float32
+    x_complex = torch.view_as_complex(x.to(float_type).reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(x_complex * freqs_cis[:, None, :]).flatten(-2).type_as(x)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from warpspec.kernels import add_rms_norm, rms_norm
+from warpspec.kernels import add_rms_norm, batch_invariant, rms_norm
 
 BACKENDS = ("local", "gloo", "nccl")
 
@@ -58,6 +58,10 @@ class Communicator:
             return x
         self.num_collectives += 1
         with collective_failures(type(self).__name__):
+            if batch_invariant.is_enabled() and x.dtype != torch.float64:
+                # Ring and tree all-reduces chunk by message size, so the order in which an element
+                # sums the ranks depends on the batch; world_size bf16 partials sum exactly in float64.
+                return self._all_reduce(x.double().contiguous()).to(x.dtype)
             return self._all_reduce(x.contiguous())
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
@@ -131,8 +135,8 @@ class NcclCommunicator(Communicator):
         self.nccl = nccl
         unique_id = tuple(int(b) if b < 128 else int(b) - 256 for b in init.nccl_unique_id)
         self.comm = nccl.NcclCommunicator(init.world_size, unique_id, init.rank)
-        self.dtypes = {torch.float32: nccl.NCCL_FLOAT32, torch.float16: nccl.NCCL_FLOAT16,
-                       torch.bfloat16: nccl.NCCL_BFLOAT16}
+        self.dtypes = {torch.float64: nccl.NCCL_FLOAT64, torch.float32: nccl.NCCL_FLOAT32,
+                       torch.float16: nccl.NCCL_FLOAT16, torch.bfloat16: nccl.NCCL_BFLOAT16}
 
     def _stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from warpspec.kernels import PagedAttentionMetadata, paged_attention, write_kv_cache
+from warpspec.kernels import PagedAttentionMetadata, batch_invariant, l2_norm, paged_attention, write_kv_cache
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import check_shape, empty_param
 from warpspec.workers.model_config import ModelConfig
@@ -126,7 +126,7 @@ class Eagle3Draft(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, kv_heads, head_dim]
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).type_as(x) * weight
+        return l2_norm(x, self.config.rms_norm_eps) * weight
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 slot_mapping: torch.Tensor, attn_meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,24 +145,25 @@ class Eagle3Draft(nn.Module):
         residual (the fused feature)."""
         c = self.config
         if features.shape[-1] != c.hidden_size:
-            features = F.linear(features, self.fc)
+            features = batch_invariant.linear(features, self.fc)
         x = torch.cat([self._rms(F.embedding(token_ids, self.embed_tokens), self.input_layernorm),
                        self._rms(features, self.hidden_norm)], dim=-1)
         n = x.shape[0]
-        q = F.linear(x, self.q_proj).view(n, c.num_attention_heads, c.head_dim)
-        k = F.linear(x, self.k_proj).view(n, c.num_key_value_heads, c.head_dim)
-        v = F.linear(x, self.v_proj).view(n, c.num_key_value_heads, c.head_dim)
+        q = batch_invariant.linear(x, self.q_proj).view(n, c.num_attention_heads, c.head_dim)
+        k = batch_invariant.linear(x, self.k_proj).view(n, c.num_key_value_heads, c.head_dim)
+        v = batch_invariant.linear(x, self.v_proj).view(n, c.num_key_value_heads, c.head_dim)
         angles = positions[:, None].float() * self.inv_freq[None, :].to(positions.device)
-        angles = torch.cat([angles, angles], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1).to(batch_invariant.float_dtype(x))
         cos, sin = angles.cos(), angles.sin()
         return _rotate_half_rope(q, cos, sin), _rotate_half_rope(k, cos, sin), v, features
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = F.linear(attn, self.o_proj) + residual
+        hidden = batch_invariant.linear(attn, self.o_proj) + residual
         normed = self._rms(hidden, self.post_attention_layernorm)
-        prenorm = hidden + F.linear(F.silu(F.linear(normed, self.gate_proj)) * F.linear(normed, self.up_proj),
-                                    self.down_proj)
-        return F.linear(self._rms(prenorm, self.norm), self.lm_head).float(), prenorm
+        act = batch_invariant.silu_mul(batch_invariant.linear(normed, self.gate_proj),
+                                       batch_invariant.linear(normed, self.up_proj))
+        prenorm = hidden + batch_invariant.linear(act, self.down_proj)
+        return batch_invariant.linear(self._rms(prenorm, self.norm), self.lm_head).float(), prenorm
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         draft_ids = draft_ids.to(self.d2t.device)

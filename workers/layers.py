@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warpspec.kernels import batch_invariant
 from warpspec.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8, quantize_fp8_columns
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
@@ -127,7 +128,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.activation_scale_ub)
-        return F.linear(x, self.weight)
+        return batch_invariant.linear(x, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: CheckpointTensor, name: str, shard_id=None) -> None:
         check_shape(name, tuple(self.weight.shape), loaded.shape)

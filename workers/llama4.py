@@ -11,11 +11,11 @@ feed-forward).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from warpspec.kernels import (
     PagedAttentionMetadata,
+    batch_invariant,
     moe_experts,
     paged_attention,
     rope_qk_norm,
@@ -104,7 +104,8 @@ class Llama4Attention(nn.Module):
             q, k = rope_qk_norm(q, k, freqs_cis, self.eps if self.uses_qk_norm else None)
         elif self.uses_temperature_tuning:
             # Longer contexts sharpen NoPE attention: q *= 1 + attn_scale * log1p(floor((p+1) / floor_scale)).
-            scales = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+            scaled_positions = positions.to(batch_invariant.float_dtype(q))
+            scales = torch.log1p(torch.floor((scaled_positions + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
         return q, k, v
 
@@ -121,7 +122,7 @@ class Llama4MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(batch_invariant.silu_mul(gate, up))
 
 
 class Llama4Experts(nn.Module):
@@ -279,7 +280,7 @@ class Llama4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[num_logits, hidden] -> [num_logits, vocab] float32 on rank 0; None on other ranks."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        local = F.linear(hidden, head.weight).float()
+        local = batch_invariant.linear(hidden, head.weight).float()
         gathered = self.comm.gather(local, dim=-1)
         return None if gathered is None else head.trim_logits(gathered)
 

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from warpspec.kernels.batch_invariant import float_dtype
 from warpspec.workers.model_config import RopeConfig
 
 
@@ -31,6 +32,10 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def rope_freqs_cis(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """positions [num_tokens] -> [num_tokens, head_dim // 2] complex64 rotations e^(i * pos * f)."""
+    """positions [num_tokens] -> [num_tokens, head_dim // 2] complex64 rotations e^(i * pos * f);
+    complex128 in deterministic mode on the torch references (kernels/batch_invariant.py), where the
+    cosines and sines are taken in float64 (torch's vector and scalar float32 paths can differ by an
+    ulp, and which path an element takes depends on the batch's size)."""
     angles = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
+    angles = angles.to(float_dtype(angles))
     return torch.polar(torch.ones_like(angles), angles)

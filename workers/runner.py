@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator
@@ -36,10 +37,12 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str | torch.dtype = "auto",
                  cache_config: CacheConfig | None = None, device: str | torch.device = "cpu",
                  comm: Communicator | None = None, cuda_graphs: CudaGraphConfig | None = None,
-                 quantization: str | None = None, moe_parallel: str = "tensor"):
+                 quantization: str | None = None, moe_parallel: str = "tensor", deterministic: bool = False):
         """cuda_graphs: capture decode/verify steps on CUDA devices (ignored elsewhere, and when the
-        torch references run: WARPSPEC_KERNELS=reference or no Triton)."""
+        torch references run: WARPSPEC_KERNELS=reference or no Triton). deterministic: run (and
+        capture) every step in kernels/batch_invariant.py's mode."""
         self.device = torch.device(device)
+        self.deterministic = deterministic
         self.cache_config = cache_config or CacheConfig()
         self.model = load_model(model_dir, dtype, self.device, comm, quantization, moe_parallel)
         self.config = self.model.config
@@ -58,12 +61,17 @@ class ModelRunner:
         self.graph_runner = None
         if use_graphs:
             block_size = self.cache_config.block_size
-            self.graph_runner = CudaGraphRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
-                                                max_blocks=-(-cuda_graphs.max_model_len // block_size),
-                                                block_size=block_size, device=self.device)
+            with batch_invariant.deterministic(deterministic):
+                self.graph_runner = CudaGraphRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
+                                                    max_blocks=-(-cuda_graphs.max_model_len // block_size),
+                                                    block_size=block_size, device=self.device)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        with batch_invariant.deterministic(self.deterministic):
+            return self._execute(step)
+
+    def _execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
         graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
         if graphed is not None:

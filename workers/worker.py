@@ -30,6 +30,7 @@ class WorkerConfig:
     cuda_graphs: CudaGraphConfig | None = None  # used on CUDA devices only
     quantization: str | None = None  # None or "fp8" (see workers/quantization.py)
     moe_parallel: str = "tensor"  # routed experts split by width ("tensor") or whole ("expert")
+    deterministic: bool = False  # batch-invariant steps (kernels/batch_invariant.py)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class ShardWorker:
         self.comm = make_communicator(config.comm)
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
                                   cuda_graphs=config.cuda_graphs, quantization=config.quantization,
-                                  moe_parallel=config.moe_parallel)
+                                  moe_parallel=config.moe_parallel, deterministic=config.deterministic)
         self.batch = PersistentBatch()
 
     def info(self) -> WorkerInfo:

@@ -44,7 +44,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         kv_cache_memory_gib (1.0 per worker) or num_kv_blocks, block_size (16), max_num_seqs (256),
         max_num_batched_tokens (2048), max_waiting_requests (1024: beyond it RESOURCE_EXHAUSTED / 429),
         enable_prefix_caching (true), compile_draft (true), seed (0), run_dir ("runs"),
-        placement_timeout_s (60: how long a new replica waits for its workers' resources).
+        placement_timeout_s (60: how long a new replica waits for its workers' resources),
+        deterministic (false): batch-invariant steps, so a request's greedy tokens depend neither on
+            the other requests nor on speculation, in bf16 too (kernels/batch_invariant.py).
 
     Replicas (Ray Serve):
         min_replicas (1), max_replicas (1), initial_replicas (min_replicas), target_ongoing_requests (8):

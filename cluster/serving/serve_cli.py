@@ -98,6 +98,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="run Ray's dashboard (local cluster only; off by default)")
     serve.add_argument("--min-replicas", type=int, default=1)
     serve.add_argument("--max-replicas", type=int, default=1)
+    serve.add_argument("--deterministic", action="store_true",
+                       help="batch-invariant steps: a request's greedy tokens do not depend on the other "
+                            "requests or on speculation, in bf16 too (slower; see the README)")
     serve.add_argument("--target-ongoing-requests", type=float, default=8.0)
     serve.add_argument("--max-waiting-requests", type=int, default=1024)
     serve.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
@@ -116,7 +119,7 @@ def run_serve_command(ns: argparse.Namespace) -> None:
                             "target_ongoing_requests": ns.target_ongoing_requests,
                             "max_waiting_requests": ns.max_waiting_requests, "api_key": ns.api_key,
                             "api_key_file": ns.api_key_file, "max_request_bytes": ns.max_request_bytes,
-                            "max_prompt_bytes": ns.max_prompt_bytes}
+                            "max_prompt_bytes": ns.max_prompt_bytes, "deterministic": ns.deterministic or None}
     for item in ns.arg:
         name, sep, value = item.partition("=")
         if not sep:

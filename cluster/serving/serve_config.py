@@ -35,6 +35,8 @@ ENGINE_ARGS: dict[str, tuple[type, Any]] = {
     "placement_timeout_s": (float, 60.0),
     "moe_parallel": (str, "tensor"),  # routed experts split by width over all ranks, or "expert": whole ones
     "quantization": (str, None),  # "fp8": FP8 weights, quantized at load (workers/quantization.py)
+    # Batch-invariant steps: greedy output independent of load and speculation (kernels/batch_invariant.py).
+    "deterministic": (bool, False),
 }
 
 

@@ -12,6 +12,7 @@ Decode at small batch has few (token, KV head) pairs, one KV head per rank on Ma
 program would walk the whole context alone. The context is then split over several programs (as in
 flash-decoding), each writing its partial softmax state (max, sum, weighted values), and a second
 kernel merges them: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s.
+Deterministic mode (kernels/batch_invariant.py) never splits.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from warpspec.kernels import batch_invariant
 from warpspec.kernels.attention import PagedAttentionMetadata
 
 TILE = 32  # tokens per step of the walk
@@ -124,7 +126,10 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
     out = torch.empty_like(query)
     if num_tokens == 0:
         return out
-    splits = num_splits or choose_num_splits(num_tokens, num_kv_heads, meta.max_seq_len)
+    # Deterministic mode walks each query's whole context in one program: a split chosen by the batch's
+    # shape would sum a query's context in a batch-dependent order.
+    splits = num_splits or (1 if batch_invariant.is_enabled()
+                            else choose_num_splits(num_tokens, num_kv_heads, meta.max_seq_len))
     states = num_tokens * num_heads * splits
     split_max = torch.empty(states, dtype=torch.float32, device=query.device)
     split_sum = torch.empty(states, dtype=torch.float32, device=query.device)
