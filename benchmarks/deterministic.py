@@ -7,14 +7,24 @@ Two sections, each side by side in one run:
     decodes, and blocks run short enough to preempt) than alone;
   - with the EAGLE-3 draft than without it (all prompts in one batch either way);
   - seeded sampling amid the crowd than alone;
-- cost: tokens/s per user at several batch sizes, plain and with EAGLE-3, mode off vs on.
+- cost: tokens/s per user at several batch sizes, plain and with EAGLE-3, mode off vs on;
+- serve: `warpspec serve` with default settings (bf16) and with --deterministic, 20 greedy
+  completions over its OpenAI HTTP API one at a time, then 8 at a time: how many change.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
@@ -43,7 +53,7 @@ async def _crowd(engine: AsyncLLM, prompts, params, arrivals) -> list[list[int]]
         await engine.shutdown()
 
 
-def _differ(a: list[list[int]], b: list[list[int]]) -> int:
+def _differ(a: list, b: list) -> int:
     return sum(x != y for x, y in zip(a, b, strict=True))
 
 
@@ -93,6 +103,58 @@ def measure_cost(target: str, draft: str, k: int, dtype: str, args) -> list[dict
     return rows
 
 
+def _complete(port: int, prompt: list[int], new_tokens: int) -> str:
+    body = json.dumps({"model": "tiny-maverick", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["text"]
+
+
+def _serve(target: str, deterministic: bool, run_dir: str):
+    """`warpspec serve` in a process of its own, returned once it answers on HTTP."""
+    from warpspec.serving.serve_cli import free_local_port
+
+    http_port, grpc_port = free_local_port(), free_local_port()
+    command = [sys.executable, "-m", "warpspec", "serve", "--model", target, "--http-port", str(http_port),
+               "--grpc-port", str(grpc_port), "--arg", f"run_dir={run_dir}"] + \
+        (["--deterministic"] if deterministic else [])
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=os.environ | {"OMP_WAIT_POLICY": "PASSIVE"})
+    for line in server.stdout:
+        if "warpspec: serving" in line:
+            return server, http_port
+    raise RuntimeError(f"warpspec serve exited with {server.wait()} before serving")
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def measure_serve(target: str, args) -> list[dict]:
+    prompts = [held_out_prompts()[i % 16] for i in range(args.serve_requests)]
+    rows = []
+    for deterministic in (False, True):
+        started = time.perf_counter()
+        server, port = _serve(target, deterministic, args.run_dir)
+        try:
+            one_at_a_time = [_complete(port, p, args.new_tokens) for p in tqdm(prompts, desc="serve, one at a time")]
+            with ThreadPoolExecutor(args.serve_concurrency) as pool:
+                concurrent = list(pool.map(_complete, [port] * len(prompts), prompts,
+                                           [args.new_tokens] * len(prompts)))
+        finally:
+            _stop(server)
+        rows.append({"deterministic": deterministic, "requests": len(prompts), "concurrency": args.serve_concurrency,
+                     "differ": _differ(concurrent, one_at_a_time), "seconds": time.perf_counter() - started})
+    return rows
+
+
 def tables(results: dict) -> str:
     lines = []
     if "invariance" in results:
@@ -103,11 +165,16 @@ def tables(results: dict) -> str:
                   f"| {r['seeded_crowd_vs_alone']}/{r['prompts']} |" for r in results["invariance"]]
         lines.append("")
     if "cost" in results:
-        lines += ["| batch | EAGLE-3 | off: tok/s/user | on: tok/s/user | on / off | same tokens |",
+        lines += ["| batch | EAGLE-3 | off: tok/s/user | on: tok/s/user | on / off | same tokens on and off |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['eagle3']} | {r['off_tokens_per_s_per_user']:.1f} "
                   f"| {r['on_tokens_per_s_per_user']:.1f} | {r['on_over_off']:.2f}x | {r['same_tokens']} |"
                   for r in results["cost"]]
+        lines.append("")
+    if "serve" in results:
+        lines += ["| warpspec serve | greedy completions that change at concurrency 8 vs one at a time |", "|---|---|"]
+        lines += [f"| {'--deterministic' if r['deterministic'] else 'defaults (bf16)'} "
+                  f"| {r['differ']}/{r['requests']} |" for r in results["serve"]]
     return "\n".join(lines)
 
 
@@ -117,12 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--sections", default="invariance,cost")
+    parser.add_argument("--sections", default="invariance,cost,serve")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--spread-s", type=float, default=0.5, help="crowd arrivals spread over this many seconds")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--serve-requests", type=int, default=20)
+    parser.add_argument("--serve-concurrency", type=int, default=8)
     parser.add_argument("--run-dir", default="runs")
     args = parser.parse_args(argv)
     sections, k = args.sections.split(","), args.num_speculative_tokens
@@ -131,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         results["invariance"] = measure_invariance(args.target, args.draft, k, args.dtype, args)
     if "cost" in sections:
         results["cost"] = measure_cost(args.target, args.draft, k, args.dtype, args)
+    if "serve" in sections:
+        results["serve"] = measure_serve(args.target, args)
     table = tables(results)
     print(f"target {args.target}, draft {args.draft}, k={k}, {args.dtype}, {args.new_tokens} new tokens\n\n{table}")
     write_report(args.run_dir, "deterministic", results, table)

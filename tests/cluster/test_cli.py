@@ -44,6 +44,15 @@ def test_generate_json_matches_the_python_api(checkpoint):
     assert got["finish_reason"] == "length" and got["prompt_token_ids"] == expected.prompt_token_ids
 
 
+def test_generate_deterministic_bf16_matches_the_python_api(checkpoint):
+    result = run("generate", "--model", str(checkpoint), "--prompt", "def f(x):", "--max-tokens", "12",
+                 "--ignore-eos", "--json", "--dtype", "bfloat16", "--deterministic")
+    assert result.returncode == 0, result.stderr
+    with LLM(str(checkpoint), dtype="bfloat16", deterministic=True) as llm:
+        expected = llm.generate("def f(x):", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert json.loads(result.stdout)["token_ids"] == expected.token_ids
+
+
 def test_generate_from_token_ids(checkpoint):
     result = run("generate", "--model", str(checkpoint), "--prompt-token-ids", "1,40,41", "--max-tokens", "3",
                  "--json")

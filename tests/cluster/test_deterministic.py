@@ -36,11 +36,14 @@ def draft(tmp_path_factory):
 
 
 def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]:
-    """(request id, prompt, params, the step it arrives at): greedy, and seeded top-p sampling."""
+    """(request id, prompt, params, the step it arrives at): greedy, and seeded top-p sampling; a
+    third share an opening of two whole blocks (prefix-cache hits)."""
     rng = random.Random(seed)
+    shared = [rng.randrange(3, 160) for _ in range(2 * BLOCK)]
     requests = []
     for i in range(10):
-        prompt = [rng.randrange(3, 160) for _ in range(rng.randrange(1, 24))]
+        own = [rng.randrange(3, 160) for _ in range(rng.randrange(1, 24))]
+        prompt = shared + own if i % 3 == 0 else own
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True) if i % 2 == 0 else \
             SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
         requests.append((f"r{i}", prompt, params, rng.randrange(0, 10)))
@@ -72,6 +75,7 @@ def test_bf16_crowd_matches_each_request_alone(target, draft, alone, alone_with_
     with LLM(str(target), **BF16, **CROWD, **_options(draft if with_draft else None)) as llm:
         got = {rid: out.token_ids for rid, out in run_staggered(llm.engine, requests).items()}
         assert llm.engine.scheduler.num_preemptions > 0  # the tiny cache did force recomputes
+        assert llm.engine.block_manager.stats.hit_tokens > 0  # and the shared opening was reused
     expected = alone_with_draft if with_draft else alone
     for rid, _, _, _ in requests:
         assert got[rid] == expected[rid], rid

@@ -88,3 +88,6 @@ def test_serve_args_convert_strings_and_name_unknown_args():
         ServeConfig.from_args({"model": "/m", "num_workers": "two"})
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
         ServeConfig.from_args({"model": "/m", "min_replicas": 3, "max_replicas": 2})
+    assert ServeConfig.from_args({"model": "/m", "deterministic": "true"}).engine == {"deterministic": True}
+    with pytest.raises(ValueError, match="deterministic must be a boolean, got 'maybe'"):
+        ServeConfig.from_args({"model": "/m", "deterministic": "maybe"})
