@@ -149,3 +149,26 @@ def test_triton_attention_rows_match_a_lone_decode(dtype):
     assert torch.equal(verify, alone)
     assert torch.equal(beside_long, alone[3:])
     assert torch.equal(beside_prefill, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_moe_rows_match_alone(dtype):
+    """The grouped expert GEMM has fixed tiles of BLOCK_M rows of one expert and never splits K: a
+    token's rows are computed the same in whichever tile, and beside whichever tokens, they land."""
+    from warpspec.kernels.triton.moe import moe_experts_triton, route_topk_sigmoid_triton
+
+    gen = torch.Generator().manual_seed(4)
+    hidden, inter, experts = 64, 96, 4
+    gate_up = (torch.randn(experts, hidden, 2 * inter, generator=gen) / 8).to(dtype)
+    down = (torch.randn(experts, inter, hidden, generator=gen) / 8).to(dtype)
+    router_logits = torch.randn(40, experts, generator=gen).to(dtype)
+    x = torch.randn(40, hidden, generator=gen).to(dtype)
+
+    def moe(n):
+        expert_ids, scores = route_topk_sigmoid_triton(router_logits[:n], 2)
+        return moe_experts_triton(x[:n], gate_up, down, expert_ids, scores)
+
+    alone = torch.cat([moe_experts_triton(x[i : i + 1], gate_up, down, *route_topk_sigmoid_triton(
+        router_logits[i : i + 1], 2)) for i in range(len(x))])
+    for num_rows in (2, 17, 40):  # within one tile per expert, then across tiles
+        assert torch.equal(moe(num_rows), alone[:num_rows]), num_rows
