@@ -1,5 +1,6 @@
 """Part 1 and 2 of the GPU check: every Triton kernel against its torch reference (max error,
-pass/fail, median time of each), and the memory bandwidth that decode attention and the small-batch
+pass/fail, median time of each; deterministic mode's linear against cuBLAS, and against itself row
+by row), and the memory bandwidth that decode attention and the small-batch
 MoE path achieve, as a fraction of what a plain copy achieves.
 
 Shapes are one Maverick rank's (of 8): 5 query heads and 1 KV head of 128 dims, hidden 5120, 16 local
@@ -12,6 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from warpspec.benchmarks.timing import median_ms
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference
@@ -113,6 +115,7 @@ def _moe_case(shapes: Shapes, num_tokens: int, fp8: bool, dtype, device, gen):
 def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[KernelResult]:
     from warpspec.kernels.triton.attention import paged_attention_triton
     from warpspec.kernels.triton.fp8 import quantize_fp8_triton
+    from warpspec.kernels.triton.matmul import batch_invariant_linear
     from warpspec.kernels.triton.moe import moe_experts_triton, route_topk_sigmoid_triton
     from warpspec.kernels.triton.norm import add_rms_norm_triton
     from warpspec.kernels.triton.rope import rope_qk_norm_triton
@@ -146,6 +149,16 @@ def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[Ke
         torch.randn(dense_out, shapes.hidden, generator=gen, device=device) * shapes.hidden ** -0.5)
     reference = _fp8_linear_with_fp8_activations if uses_scaled_mm(x, dense_fp8) else fp8_linear_reference
     cases[f"fp8_linear [8 x hidden] -> {dense_out}"] = (fp8_linear, reference, (x, dense_fp8, dense_scale), 0.02, 0)
+    # Deterministic mode's linear (kernels/triton/matmul.py) against cuBLAS: the speedup column is
+    # what the mode costs (below 1: slower than cuBLAS). Then its promise, to the bit: each row of a
+    # batch of 32 equals that row computed alone (tolerance 0).
+    dense = torch.randn(dense_out, shapes.hidden, generator=gen, device=device).to(dtype) * shapes.hidden ** -0.5
+    for batch in (1, 8, 32):
+        xb = torch.randn(batch, shapes.hidden, generator=gen, device=device).to(dtype)
+        cases[f"batch_invariant_linear [{batch} x hidden] -> {dense_out}, vs cuBLAS"] = (
+            batch_invariant_linear, F.linear, (xb, dense), 0.02, dense.numel() * dense.element_size())
+    cases["batch_invariant_linear: 32 rows = each row alone"] = (batch_invariant_linear, _each_row_alone,
+                                                                 (xb, dense), 0.0, 0)
     for batch, query_len, label in ((1, 1, "decode b1"), (8, 1, "decode b8"), (8, 4, "verify b8 x 4")):
         args, kv_bytes = _attention_case(shapes, batch, query_len, dtype, device, gen)
         cases[f"paged_attention {label}, ctx {shapes.context}"] = (paged_attention_triton, paged_attention_reference,
@@ -167,6 +180,12 @@ def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[Ke
             results.append(KernelResult(name, float("nan"), tolerance, False, float("nan"), float("nan"), num_bytes,
                                         f"{type(e).__name__}: {str(e)[:300]}"))
     return results
+
+
+def _each_row_alone(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from warpspec.kernels.triton.matmul import batch_invariant_linear
+
+    return torch.cat([batch_invariant_linear(x[i : i + 1], weight) for i in range(x.shape[0])])
 
 
 def _as_comparable(out):

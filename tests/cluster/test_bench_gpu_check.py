@@ -21,10 +21,12 @@ def test_tiny_gpu_check_reports_every_part(tmp_path):
     assert status == 0 and report["errors"] == []
     names = [k["name"] for k in report["kernels"]]
     for kernel in ("add_rms_norm", "rope + qk_norm", "route_topk_sigmoid", "quantize_fp8", "paged_attention decode",
-                   "paged_attention verify", "moe_experts 1 token fp8", "moe_experts 8 tokens bf16"):
+                   "paged_attention verify", "moe_experts 1 token fp8", "moe_experts 8 tokens bf16",
+                   "batch_invariant_linear [32 x hidden]", "batch_invariant_linear: 32 rows = each row alone"):
         assert any(n.startswith(kernel) for n in names), kernel
     assert all(k["passed"] and not k["error"] for k in report["kernels"])
-    assert {b["kernel"] for b in report["bandwidth"]} == {n for n in names if n.startswith(("paged", "moe"))}
+    assert {b["kernel"] for b in report["bandwidth"]} == {
+        n for n in names if n.startswith(("paged", "moe", "batch_invariant_linear ["))}
     shapes = {(r["moe_parallel"], r["batch"], r["query_len"]) for r in report["simulation"]}
     assert shapes == {(layout, b, q) for layout in ("tensor", "expert") for b in (1, 8) for q in (1, 4)}
     for row in report["simulation"]:
