@@ -38,8 +38,8 @@ class CoordinatorActor:
     def __init__(self):
         self.coordinator: Coordinator | None = None
 
-    def start(self, config: EngineConfig, placement_group: PlacementGroup) -> ReplicaInfo:
-        self.coordinator = Coordinator(config, placement_group)
+    def start(self, config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0) -> ReplicaInfo:
+        self.coordinator = Coordinator(config, placement_group, first_bundle)
         return self.coordinator.info()
 
     def submit(self, message: CoreInput) -> None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from warpspec.errors import PlacementError
 from warpspec.sampling_params import InvalidRequestError
 from warpspec.workers.errors import CheckpointError
 
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, InvalidRequestError, ValueError) as e:
         print(f"warpspec: error: {e}", file=sys.stderr)
         return 2
+    except PlacementError as e:  # the cluster, not the command, is short of something
+        print(f"warpspec: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

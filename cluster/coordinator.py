@@ -30,7 +30,13 @@ from dataclasses import dataclass
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config import EngineConfig
@@ -70,9 +76,10 @@ class DispatchTiming:
 
 
 class Coordinator:
-    def __init__(self, config: EngineConfig, placement_group: PlacementGroup):
-        """placement_group: one bundle per worker (place_workers), made and removed by whoever holds
-        this coordinator, so that it outlives a coordinator that dies."""
+    def __init__(self, config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0):
+        """placement_group: one bundle per worker from first_bundle on (place_workers' own group, or
+        the gang Serve placed the replica in: serving_bundles), made and removed by whoever holds this
+        coordinator, so that it outlives a coordinator that dies."""
         from warpspec.actors import ShardWorkerActor  # the actor shells import this module
 
         self.config = config
@@ -80,7 +87,7 @@ class Coordinator:
         self.is_gpu = config.device.startswith("cuda")
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, self.parallel.num_workers, self.parallel.moe_parallel)
-        self.placement_group = placement_group
+        self.placement_group, self.first_bundle = placement_group, first_bundle
         self.workers, self.graph, self.rank0 = [], None, None  # self.workers: ranks 1..N-1
         self.mirror = BatchMirror()  # what ranks 1..N-1 hold of the batch
         # Filled only while a benchmark asks (record_timings): a replica runs for months, one entry a step.
@@ -106,7 +113,8 @@ class Coordinator:
     # ---- setup ----------------------------------------------------------------------------------
 
     def _create_worker(self, actor_class, rank: int):
-        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+        strategy = PlacementGroupSchedulingStrategy(self.placement_group,
+                                                    placement_group_bundle_index=self.first_bundle + rank)
         return actor_class.options(scheduling_strategy=strategy, **worker_resources(self.config, rank)).remote()
 
     def _comm_init(self, rank: int, address: str, port: int, nccl_id: bytes) -> CommInit:
@@ -288,14 +296,68 @@ def worker_resources(config: EngineConfig, rank: int) -> dict[str, float]:
     return {"num_gpus": 1, "num_cpus": 0}
 
 
-def coordinator_options(config: EngineConfig, group: PlacementGroup) -> dict:
-    """Ray options of the coordinator actor: rank 0's, in bundle 0, whose GPU also runs the draft."""
-    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
+def coordinator_options(config: EngineConfig, group: PlacementGroup, first_bundle: int = 0) -> dict:
+    """Ray options of the coordinator actor: rank 0's, in rank 0's bundle, whose GPU also runs the draft."""
+    strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=first_bundle)
     return {**worker_resources(config, 0), "scheduling_strategy": strategy}
 
 
 def _bundle(config: EngineConfig) -> dict[str, float]:
     return {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+
+
+def serving_bundles(config: EngineConfig, num_cpus: float, num_gpus: float) -> list[dict[str, float]]:
+    """The gang a served replica is placed as (Serve's placement_group_bundles, STRICT_PACK): bundle 0
+    is the replica actor's own, bundles 1..N its ranks'. One node holds them all: a replica never
+    straddles two nodes (NVLink does not cross them)."""
+    replica = {name: amount for name, amount in (("CPU", num_cpus), ("GPU", num_gpus)) if amount}
+    return [replica or {"CPU": 0.0}] + [_bundle(config) for _ in range(config.parallel.num_workers)]
+
+
+def replica_gang(config: EngineConfig) -> PlacementGroup | None:
+    """The placement group Serve placed this replica in with its ranks (serving_bundles), or None
+    outside one (LLM and AsyncLLM in a driver place their own workers)."""
+    group = get_current_placement_group()
+    if group is None or len(group.bundle_specs) != config.parallel.num_workers + 1:
+        return None
+    return group
+
+
+def check_gang_fits(bundles: list[dict[str, float]], timeout_s: float) -> None:
+    """Reserve bundles as one STRICT_PACK group and release them: raises PlacementError naming every
+    node's resources when no node could take them within timeout_s. An autoscaling cluster sees the
+    waiting group as demand and may add a node meanwhile; without one, a gang no node can hold would
+    leave a served replica pending forever."""
+    group = placement_group(bundles, strategy="STRICT_PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except GetTimeoutError:
+        state = placement_group_table(group).get("stats", {}).get("scheduling_state", "")
+        reason = "no node is large enough" if state == "INFEASIBLE" else "the nodes large enough are busy"
+        raise PlacementError(f"a replica needs {_compute(_sum(bundles))} on one node (its actor and its "
+                             f"workers, STRICT_PACK), and {reason} after {timeout_s:g} s (placement_timeout_s); "
+                             f"nodes: {_nodes()}") from None
+    finally:
+        remove_placement_group(group)
+
+
+def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            total[name] = total.get(name, 0) + amount
+    return total
+
+
+def _compute(resources: dict[str, float]) -> str:
+    """{'CPU': 3.0, 'memory': ...} -> 'CPU 3, GPU 0'"""
+    return ", ".join(f"{name} {resources.get(name, 0):g}" for name in ("CPU", "GPU"))
+
+
+def _nodes() -> str:
+    """Every live node's total CPUs and GPUs: '10.0.0.5 (node 1a2b3c4d): CPU 2, GPU 0; ...'"""
+    return "; ".join(f"{n['NodeManagerAddress']} (node {n['NodeID'][:8]}): {_compute(n['Resources'])}"
+                     for n in ray.nodes() if n["Alive"])
 
 
 def place_workers(config: EngineConfig) -> PlacementGroup:

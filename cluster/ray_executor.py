@@ -12,7 +12,13 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
 from warpspec.config import EngineConfig
-from warpspec.coordinator import DispatchTiming, coordinator_options, place_workers, unwrap_ray_errors
+from warpspec.coordinator import (
+    DispatchTiming,
+    coordinator_options,
+    place_workers,
+    replica_gang,
+    unwrap_ray_errors,
+)
 from warpspec.core_messages import CoreInput, StepReply
 from warpspec.errors import EngineError, WorkerDiedError
 from warpspec.workers.llama4 import check_parallel_layout
@@ -28,12 +34,17 @@ class RayExecutor:
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, config.parallel.num_workers, config.parallel.moe_parallel)
         connect_ray(config.run_dir)
-        # Placed here, not in the coordinator, so the group outlives a coordinator that dies (place_workers).
-        self.placement_group = place_workers(config)
+        # A served replica's ranks come with it in Serve's gang (bundles 1..N); elsewhere they are placed
+        # here, not in the coordinator, so the group outlives a coordinator that dies (place_workers).
+        gang = replica_gang(config)
+        self.owns_group = gang is None
+        self.placement_group, first_bundle = (place_workers(config), 0) if gang is None else (gang, 1)
         self.coordinator = None
         try:
-            self.coordinator = CoordinatorActor.options(**coordinator_options(config, self.placement_group)).remote()
-            self.info = unwrap_ray_errors(lambda: ray.get(self.coordinator.start.remote(config, self.placement_group)))
+            options = coordinator_options(config, self.placement_group, first_bundle)
+            self.coordinator = CoordinatorActor.options(**options).remote()
+            self.info = unwrap_ray_errors(lambda: ray.get(
+                self.coordinator.start.remote(config, self.placement_group, first_bundle)))
         except BaseException:
             self._release()
             raise
@@ -82,9 +93,9 @@ class RayExecutor:
         if self.coordinator is not None:
             ray.kill(self.coordinator)
             self.coordinator = None
-        if self.placement_group is not None:
+        if self.placement_group is not None and self.owns_group:  # Serve's gang goes with the replica
             remove_placement_group(self.placement_group)
-            self.placement_group = None
+        self.placement_group = None
 
 
 def core_error(error: Exception) -> Exception:

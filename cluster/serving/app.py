@@ -22,8 +22,30 @@ from typing import Any
 
 from ray import serve
 
+from warpspec.config import engine_config
+from warpspec.coordinator import check_gang_fits, serving_bundles
 from warpspec.serving.deployment import WarpspecServer
 from warpspec.serving.serve_config import ServeConfig
+
+
+def check_replica_fits(config: ServeConfig) -> None:
+    """Before deploying on a connected Ray cluster: a replica whose gang (replica_placement) no node can
+    hold fails here, naming each node's resources, instead of waiting for resources forever."""
+    placement = replica_placement(config)
+    if placement:
+        engine = engine_config(config.model, **config.engine)
+        check_gang_fits(placement["placement_group_bundles"], engine.parallel.placement_timeout_s)
+
+
+def replica_placement(config: ServeConfig) -> dict[str, Any]:
+    """Serve's placement options for a replica whose ranks run in Ray actors: the replica and its ranks
+    as one STRICT_PACK gang (coordinator.serving_bundles), so Serve reserves them together, on one
+    node, and spreads replicas over nodes by gang. A replica that runs its one rank itself needs none."""
+    engine = engine_config(config.model, **config.engine)
+    if not engine.parallel.uses_ray:
+        return {}
+    return {"placement_group_bundles": serving_bundles(engine, config.num_cpus, config.num_gpus),
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -73,6 +95,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         health_check_period_s=config.health_check_period_s,
         graceful_shutdown_timeout_s=config.drain_timeout_s,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+        **replica_placement(config),
     )
     return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval,
                            drain_timeout_s=config.drain_timeout_s, limits=config.limits, auth=config.auth)

@@ -31,15 +31,19 @@ def free_local_port() -> int:
 
 
 def start_serving(args: dict[str, Any], grpc_port: int = 9000, http_port: int = 8000, host: str = "127.0.0.1",
-                  app_name: str = DEFAULT_APP_NAME) -> None:
+                  app_name: str = DEFAULT_APP_NAME, proxy_location: str = "EveryNode") -> None:
     """Start Serve's proxies on this Ray cluster (ray.init must have run) and deploy the app; returns
-    once every replica has loaded its model and warmed up."""
+    once every replica has loaded its model and warmed up. A replica gang that no node can hold fails
+    first (PlacementError, app.check_replica_fits). proxy_location "HeadOnly" keeps one proxy where
+    several simulated nodes share one machine's ports (ray.cluster_utils.Cluster)."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from warpspec.serving.app import build_app
+    from warpspec.serving.app import build_app, check_replica_fits
+    from warpspec.serving.serve_config import ServeConfig
 
-    serve.start(http_options=HTTPOptions(host=host, port=http_port),
+    check_replica_fits(ServeConfig.from_args(dict(args)))
+    serve.start(proxy_location=proxy_location, http_options=HTTPOptions(host=host, port=http_port),
                 grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
     # serve.run starts Serve again, finds the instance just started and says that "new
     # http_options will not be applied": true of its own (absent) options, alarming to read here.

@@ -1,0 +1,233 @@
+"""Scenarios on a simulated multi-node Ray cluster (ray.cluster_utils.Cluster: one raylet per node,
+all on this machine), each run in a process of its own by test_multi_node.py: a process holds one
+Ray connection, and the other serving tests share another.
+
+    python multi_node_scenarios.py placement|infeasible|node_loss
+
+Each prints one line "scenario result: {JSON}" of what it saw, and asserts what it must; it stops everything it started.
+The nodes: a head with 1 CPU (Serve's controller and its one proxy) and workers with 2 CPUs. A
+replica gang needs 2 (its actor, and its one rank in a coordinator actor, executor="ray"), so one
+node holds one replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: waiting.py
+from waiting import wait_for  # noqa: E402
+
+RUN_DIR = Path(__file__).resolve().parents[2] / "runs"
+ENGINE = {"num_workers": 1, "executor": "ray", "max_model_len": 1024, "num_kv_blocks": 400,
+          "placement_timeout_s": 5, "warmup": True}
+PROMPT = [5, 6, 7]
+RESULT_PREFIX = "scenario result: "  # Ray's own lines share stdout
+
+
+def start_cluster(num_nodes: int):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Unix socket paths under the temp dir must stay below ~107 bytes.
+    temp_dir = RUN_DIR / "mn-ray"
+    if len(str(temp_dir)) > 40:
+        temp_dir = Path(tempfile.mkdtemp(prefix="ws-mn-"))
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["RAY_TMPDIR"] = str(temp_dir)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=2) for _ in range(num_nodes)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster, nodes
+
+
+def serve_app(checkpoint: str, **args) -> int:
+    """Deploy the app as `warpspec serve` does, one proxy on the head; returns the gRPC port."""
+    from warpspec.serving.serve_cli import free_local_port, start_serving
+
+    grpc_port = free_local_port()
+    start_serving({"model": checkpoint, **ENGINE, **args}, grpc_port=grpc_port, http_port=free_local_port(),
+                  proxy_location="HeadOnly")
+    return grpc_port
+
+
+def actors_by_node() -> dict[str, dict[str, int]]:
+    """Live actors per node id: {node: {class name: count}}."""
+    import ray
+
+    out: dict[str, dict[str, int]] = {}
+    for actor in ray._private.state.actors().values():
+        if actor["State"] == "ALIVE":
+            node = out.setdefault(actor["Address"]["NodeID"], {})
+            name = actor["ActorClassName"].split(":")[0]
+            node[name] = node.get(name, 0) + 1
+    return out
+
+
+def live_placement_groups() -> int:
+    import ray
+
+    return sum(1 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED")
+
+
+def greedy(stub, max_tokens: int = 16) -> list[int]:
+    from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT),
+                                 params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return list(stub.Generate(request, timeout=60).token_ids)
+
+
+class Stream(threading.Thread):
+    """One greedy streaming request: the tokens received, its final status and when it ended."""
+
+    def __init__(self, stub, max_tokens: int):
+        super().__init__(daemon=True)
+        self.stub, self.max_tokens = stub, max_tokens
+        self.started = threading.Event()
+        self.token_ids, self.code, self.details, self.ended_at = [], None, "", None
+
+    def run(self) -> None:
+        from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT),
+                                     params=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
+                                                              ignore_eos=True))
+        try:
+            for reply in self.stub.GenerateStream(request, timeout=180):
+                self.token_ids += reply.token_ids
+                self.started.set()
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.code, self.details = e.code(), e.details()
+        self.started.set()
+        self.ended_at = time.monotonic()
+
+
+def placement(checkpoint: str) -> dict:
+    """2 replicas on 2 worker nodes: one replica per node, each with its coordinator beside it."""
+    from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+
+    port = serve_app(checkpoint, min_replicas=2, max_replicas=2)
+    nodes = actors_by_node()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        tokens = greedy(pb_grpc.GenerationStub(channel))
+    per_node = [(n.get("ServeReplica", 0), n.get("CoordinatorActor", 0)) for n in nodes.values()]
+    assert sorted(per_node) == [(0, 0), (1, 1), (1, 1)], nodes  # the head holds neither
+    return {"actors_by_node": nodes, "num_tokens": len(tokens)}
+
+
+def infeasible(checkpoint: str) -> dict:
+    """2 ranks per replica: a gang of 3 CPUs that no 2-CPU node holds fails within the placement
+    timeout, naming every node's resources."""
+    from warpspec.errors import PlacementError
+
+    started = time.monotonic()
+    try:
+        serve_app(checkpoint, num_workers=2)
+    except PlacementError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a replica no node can hold was deployed")
+    return {"message": message, "seconds": time.monotonic() - started, "placement_groups": live_placement_groups()}
+
+
+def node_loss(cluster, nodes, checkpoint: str) -> dict:
+    """Kill one worker node while 10 streams run, 5 per replica. The dead node's streams end within
+    10 s (INTERNAL from Serve's proxy, see below); the others finish with the tokens a greedy request got before. Serve
+    restarts the lost replica on a node added afterwards; then it serves the same tokens, and the
+    actors and placement groups are as many as before."""
+    from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+
+    # max_ongoing_requests 5: each replica takes exactly 5 of the 10 streams.
+    port = serve_app(checkpoint, min_replicas=2, max_replicas=2, max_ongoing_requests=5)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        new_tokens = 1000
+        expected = greedy(stub, new_tokens)
+        before = {"groups": live_placement_groups(), "replicas": 2}
+        streams = [Stream(stub, new_tokens) for _ in range(10)]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.started.wait(60) and s.code is None, ("a stream did not start", s.code, s.details)
+        victim = nodes[1]
+        cluster.remove_node(victim, allow_graceful=False)
+        killed_at = time.monotonic()
+        for s in streams:
+            s.join(timeout=120)
+            assert not s.is_alive(), "a stream hung after the node died"
+        lost = [s for s in streams if s.code != grpc.StatusCode.OK]
+        kept = [s for s in streams if s.code == grpc.StatusCode.OK]
+        assert len(lost) == 5 and len(kept) == 5, [(s.code, s.details) for s in streams]
+        for s in lost:
+            # Serve's gRPC proxy reports a replica that died mid-stream as INTERNAL, naming the actor
+            # (ray/serve/_private/grpc_util.py maps RayActorError so); our replica, while alive,
+            # answers UNAVAILABLE itself.
+            dead_replica = s.code == grpc.StatusCode.INTERNAL and "actor" in s.details and (
+                "unavailable" in s.details or "died" in s.details)
+            assert s.code == grpc.StatusCode.UNAVAILABLE or dead_replica, (s.code, s.details)
+            assert s.ended_at - killed_at < 10, s.ended_at - killed_at
+        for s in kept:
+            assert s.token_ids == expected
+
+        # The remaining node is full: the lost replica waits for capacity, which a new node brings.
+        cluster.add_node(num_cpus=2)
+        added_at = time.monotonic()
+        wait_for(lambda: sum(n.get("ServeReplica", 0) for n in actors_by_node().values()) == 2, 120,
+                 "the lost replica restarted")
+        wait_for(lambda: _serves_on_both(stub, expected), 120, "both replicas serve the same tokens")
+        recovered_s = time.monotonic() - added_at
+        after = {"groups": live_placement_groups(), "replicas": 2}
+    assert after == before, (before, after)
+    per_node = [(n.get("ServeReplica", 0), n.get("CoordinatorActor", 0)) for n in actors_by_node().values()]
+    assert sorted(per_node) == [(0, 0), (1, 1), (1, 1)], per_node
+    return {"lost_ended_after_s": max(s.ended_at for s in lost) - killed_at, "recovered_s": recovered_s,
+            "lost_codes": sorted({s.code.name for s in lost}),
+            "placement_groups": after["groups"]}
+
+
+def _serves_on_both(stub, expected: list[int]) -> bool:
+    """Several greedy requests at once (so both replicas take some) all give the expected tokens."""
+    results: list[list[int]] = []
+    threads = [threading.Thread(target=lambda: results.append(greedy(stub, len(expected)))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(results) == 4 and all(r == expected for r in results)
+
+
+def main(scenario: str) -> None:
+    import ray
+
+    from warpspec.random_checkpoint import create_random_checkpoint
+
+    checkpoint = str(create_random_checkpoint(Path(tempfile.mkdtemp(prefix="ws-mn-ckpt-")), "tiny", std=0.3))
+    cluster, nodes = start_cluster(num_nodes=2)
+    try:
+        if scenario == "placement":
+            result = placement(checkpoint)
+        elif scenario == "infeasible":
+            result = infeasible(checkpoint)
+        elif scenario == "node_loss":
+            result = node_loss(cluster, nodes, checkpoint)
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+    finally:
+        ray.shutdown()  # the cluster's shutdown takes Serve with it
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,45 @@
+"""Serving on a simulated multi-node Ray cluster (3 raylets on this machine): where replicas land, a
+replica no node can hold, and a node lost under load. The scenarios live in multi_node_scenarios.py
+and run in processes of their own (a process holds one Ray connection; the other serving tests
+share another); each asserts what it must and reports what it saw as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCENARIOS = Path(__file__).with_name("multi_node_scenarios.py")
+
+
+def run_scenario(name: str) -> dict:
+    result = subprocess.run([sys.executable, str(SCENARIOS), name], capture_output=True, text=True, timeout=400,
+                            env=os.environ | {"OMP_WAIT_POLICY": "PASSIVE"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    prefix = "scenario result: "
+    return json.loads(next(line for line in result.stdout.splitlines() if line.startswith(prefix))[len(prefix):])
+
+
+def test_each_replica_and_its_ranks_share_one_node_and_replicas_spread():
+    report = run_scenario("placement")
+    assert report["num_tokens"] == 16
+
+
+def test_a_replica_no_node_can_hold_fails_naming_each_node():
+    report = run_scenario("infeasible")
+    message = report["message"]
+    assert "needs CPU 3, GPU 0 on one node" in message and "no node is large enough" in message
+    assert message.count("CPU 2, GPU 0") == 2 and "CPU 1, GPU 0" in message  # the 2 workers and the head
+    assert report["seconds"] < 30 and report["placement_groups"] == 0  # the probe is gone
+
+
+def test_losing_a_node_fails_its_streams_only_and_serve_restarts_its_replica():
+    report = run_scenario("node_loss")
+    assert report["lost_ended_after_s"] < 10
+    assert report["placement_groups"] == 2
