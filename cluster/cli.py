@@ -83,6 +83,7 @@ BENCHMARKS = {name: f"warpspec.benchmarks.{name}"
 BENCHMARKS["fp8"] = "warpspec.benchmarks.fp8_quality"
 BENCHMARKS["moe"] = "warpspec.benchmarks.moe_parallel"
 BENCHMARKS["deterministic"] = "warpspec.benchmarks.deterministic"
+BENCHMARKS["routing"] = "warpspec.benchmarks.routing"
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from warpspec.config import engine_config
 from warpspec.coordinator import check_gang_fits, serving_bundles
@@ -35,6 +36,14 @@ def check_replica_fits(config: ServeConfig) -> None:
     if placement:
         engine = engine_config(config.model, **config.engine)
         check_gang_fits(placement["placement_group_bundles"], engine.parallel.placement_timeout_s)
+
+
+def request_routing(config: ServeConfig) -> dict[str, Any]:
+    """Serve's request router: warpspec's prefix-aware one (prefix_router.py), or Serve's default."""
+    if not config.prefix_routing:
+        return {}
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class="warpspec.serving.prefix_router.PrefixAffinityRouter")}
 
 
 def replica_placement(config: ServeConfig) -> dict[str, Any]:
@@ -79,6 +88,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         warmup (true): run one short request before the replica takes traffic.
         stream_interval (1): streamed messages carry at least this many new tokens; each message costs
             a few ms on the serving path, so a fast model on few CPUs streams cheaper in bunches.
+        prefix_routing (true): a gRPC request whose prompt opens like an earlier one goes to the replica
+            that served that one (its prefix cache), unless it is much busier (prefix_router.py).
         health_check_period_s (10). drain_timeout_s (30): on scale-down or redeploy, a stopping
             replica's requests may run this long; then Serve stops it and the proxy fails the rest.
 
@@ -96,6 +107,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         graceful_shutdown_timeout_s=config.drain_timeout_s,
         ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
         **replica_placement(config),
+        **request_routing(config),
     )
     return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval,
                            drain_timeout_s=config.drain_timeout_s, limits=config.limits, auth=config.auth)

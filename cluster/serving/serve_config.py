@@ -60,6 +60,9 @@ class ServeConfig:
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
     stream_interval: int = 1  # new tokens per streamed message at least (1: every step's tokens at once)
     health_check_period_s: float = 10.0
+    # Route a prompt to the replica that served its opening before (prefix_router.py); False: Serve's
+    # power of two choices.
+    prefix_routing: bool = True
     # Scale-down / redeploy: how long a stopping replica's requests may run on; then Serve stops it
     # (the proxy fails what is left) and its actors and placement group are released.
     drain_timeout_s: float = 30.0
