@@ -20,8 +20,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from warpspec.config import EngineConfig, engine_config
+from warpspec.config import EngineConfig
 from warpspec.engine import Prompt, make_engine
+from warpspec.engine_options import engine_config
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
 from warpspec.outputs import RequestOutput
@@ -31,7 +32,12 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, model: str | EngineConfig, **options: Any):
+        """AsyncLLM(model, **options) as LLM(model, **options) (any engine option by name), or
+        AsyncLLM(config) with an EngineConfig."""
+        config = model if isinstance(model, EngineConfig) else engine_config(model, **options)
+        if isinstance(model, EngineConfig) and options:
+            raise TypeError("AsyncLLM(config) takes no options: they are the config's")
         self.config = config
         self.engine = make_engine(config)
         self.streams: dict[str, asyncio.Queue] = {}

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from warpspec.engine_options import add_engine_flags, engine_options_from_flags
 from warpspec.errors import PlacementError
 from warpspec.sampling_params import InvalidRequestError
 from warpspec.workers.errors import CheckpointError
@@ -25,9 +26,7 @@ def _generate(args: argparse.Namespace) -> None:
             raise InvalidRequestError("--prompt-token-ids must be comma-separated integers") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    with LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, draft=args.draft,
-             num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-             deterministic=args.deterministic) as llm:
+    with LLM(args.model, **engine_options_from_flags(args, skip=("seed",))) as llm:
         out = llm.generate([prompt], params)[0]
     if args.json:
         print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids, "text": out.text,
@@ -109,14 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    gen.add_argument("--max-model-len", type=int)
-    gen.add_argument("--quantization", choices=["fp8"], help="fp8: quantize linear and expert weights at load "
-                     "(an fbgemm_fp8 checkpoint loads as FP8 without it)")
-    gen.add_argument("--draft", help="EAGLE-3 draft checkpoint folder: speculative decoding")
-    gen.add_argument("--num-speculative-tokens", type=int, default=3)
-    gen.add_argument("--deterministic", action="store_true", help="batch-invariant steps (see the README)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token ids and text")
+    add_engine_flags(gen, skip=("seed",))  # --seed above seeds this one request, which is all it runs
     gen.set_defaults(func=_generate)
 
     create = commands.add_parser("create-checkpoint",

@@ -1,4 +1,5 @@
-"""Engine configuration: one dataclass per concern, gathered under EngineConfig."""
+"""Engine configuration: one dataclass per concern, gathered under EngineConfig. The options users
+set by name, and the front ends that take them, are defined in engine_options.py."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
     # None: the checkpoint's max_position_embeddings. Prompt + output never exceed it.
     max_model_len: int | None = None
-    device: str = "cpu"
+    device: str = "auto"  # "auto": cuda when this process sees a GPU, else cpu (resolved on construction)
     # None: the checkpoint's precision (FP8 for an fbgemm_fp8 checkpoint); "fp8": quantize a bf16/fp32
     # checkpoint's linear and expert weights to FP8 as they load (workers/quantization.py).
     quantization: str | None = None
@@ -114,6 +115,8 @@ class EngineConfig:
     # Every row computed to the same bits whatever else the step holds (kernels/batch_invariant.py):
     # greedy output in bf16 then depends neither on the other requests nor on speculation.
     deterministic: bool = False
+    # Batch sizes whose decode and verification steps are captured as CUDA graphs; larger ones run eagerly.
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
     def cuda_graph_config(self):
         from warpspec.workers.cuda_graphs import CudaGraphConfig
@@ -121,10 +124,15 @@ class EngineConfig:
         if self.enforce_eager:
             return None
         k = self.speculative.num_speculative_tokens
-        return CudaGraphConfig(query_lens=(1, k + 1) if self.speculative.enabled else (1,),
+        return CudaGraphConfig(batch_sizes=tuple(self.cuda_graph_batch_sizes),
+                               query_lens=(1, k + 1) if self.speculative.enabled else (1,),
                                max_model_len=self.max_model_len or CudaGraphConfig.max_model_len)
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         k = self.speculative.num_speculative_tokens
@@ -135,30 +143,3 @@ class EngineConfig:
         check_quantization(self.quantization)
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
-
-
-def engine_config(model: str, *, dtype: str = "auto", max_model_len: int | None = None, block_size: int = 16,
-                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 1.0, max_num_seqs: int = 256,
-                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                  max_waiting_requests: int = 1024, seed: int = 0, device: str = "cpu", num_workers: int = 1,
-                  executor: str = "auto", dispatch: str = "compiled", placement_timeout_s: float = 60.0,
-                  moe_parallel: str = "tensor",
-                  draft: str | None = None, num_speculative_tokens: int = 3, aux_layer_offset: int = 0,
-                  compile_draft: bool = True, coupled_verification: bool = False, run_dir: str = "runs",
-                  enforce_eager: bool = False, quantization: str | None = None,
-                  deterministic: bool = False) -> EngineConfig:
-    """The flat keyword arguments of LLM and AsyncLLM, sorted into the per-concern configs."""
-    return EngineConfig(
-        model=str(model), dtype=dtype, max_model_len=max_model_len, device=device, seed=seed, run_dir=run_dir,
-        enforce_eager=enforce_eager, quantization=quantization, deterministic=deterministic,
-        cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, memory_gib=kv_cache_memory_gib),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_prefix_caching=enable_prefix_caching,
-                                  max_waiting_requests=max_waiting_requests),
-        parallel=ParallelConfig(num_workers=num_workers, executor=executor, dispatch=dispatch,
-                                placement_timeout_s=placement_timeout_s, moe_parallel=moe_parallel),
-        speculative=SpeculativeConfig(draft=None if draft is None else str(draft),
-                                      num_speculative_tokens=num_speculative_tokens,
-                                      aux_layer_offset=aux_layer_offset, compile_draft=compile_draft,
-                                      coupled_verification=coupled_verification),
-    )

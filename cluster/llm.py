@@ -7,8 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from warpspec.config import engine_config
 from warpspec.engine import Prompt, make_engine
+from warpspec.engine_options import engine_config
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import Proposer
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -25,9 +25,10 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None,
                  proposer: Proposer | None = None, **options: Any):
-        """options: the keyword arguments of warpspec.config.engine_config (KV cache, scheduler,
-        num_workers and the rest of the parallel layout). proposer: a speculative-decoding proposer of
-        your own (warpspec.proposer.Proposer) instead of the EAGLE-3 draft that `draft` names."""
+        """options: any engine option by name (warpspec.engine_options.ENGINE_OPTIONS: KV cache,
+        scheduler, num_workers and the rest of the parallel layout, the draft, ...). proposer: a
+        speculative-decoding proposer of your own (warpspec.proposer.Proposer) instead of the
+        EAGLE-3 draft that `draft` names."""
         self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
         self.engine = make_engine(self.config, proposer)
         self._next_request = 0

@@ -23,8 +23,8 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from warpspec.config import engine_config
 from warpspec.coordinator import check_gang_fits, serving_bundles
+from warpspec.engine_options import engine_config
 from warpspec.serving.deployment import WarpspecServer
 from warpspec.serving.serve_config import ServeConfig
 
@@ -36,6 +36,18 @@ def check_replica_fits(config: ServeConfig) -> None:
     if placement:
         engine = engine_config(config.model, **config.engine)
         check_gang_fits(placement["placement_group_bundles"], engine.parallel.placement_timeout_s)
+
+
+def resolve_device(engine: dict[str, Any]) -> dict[str, Any]:
+    """device "auto" (or unset) for served replicas: cuda when the Ray cluster has GPUs, else cpu.
+    Decided here, where Ray is connected: a replica's own process sees no GPU unless num_gpus gives
+    it one, so "auto" resolved there would mean cpu."""
+    if engine.get("device", "auto") != "auto":
+        return engine
+    import ray
+
+    has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+    return {**engine, "device": "cuda" if has_gpus else "cpu"}
 
 
 def request_routing(config: ServeConfig) -> dict[str, Any]:
@@ -64,20 +76,16 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     Model and engine:
         model (required): the target checkpoint folder, readable on every node that hosts a replica.
         model_name: the name clients use (OpenAI `model`); default the folder's name.
-        draft: an EAGLE-3 draft folder (speculative decoding); num_speculative_tokens: k (3);
-            coupled_verification (false): sampled requests verified by Gumbel-max coupling, so a seeded
-            request's tokens equal its tokens without the draft (fewer drafts accepted).
-        num_workers: ranks the model is sharded over, one GPU each (1); executor: "auto" (in the replica
-            process for 1 worker, Ray actors otherwise) or "ray" (always a coordinator + worker actors);
-            moe_parallel: "tensor" (every routed expert split by width over all ranks) or "expert"
-            (whole experts per rank).
-        dtype ("auto"), max_model_len (the checkpoint's), device ("cpu"; "cuda" on GPU nodes),
-        kv_cache_memory_gib (1.0 per worker) or num_kv_blocks, block_size (16), max_num_seqs (256),
-        max_num_batched_tokens (2048), max_waiting_requests (1024: beyond it RESOURCE_EXHAUSTED / 429),
-        enable_prefix_caching (true), compile_draft (true), seed (0), run_dir ("runs"),
-        placement_timeout_s (60: how long a new replica waits for its workers' resources),
-        deterministic (false): batch-invariant steps, so a request's greedy tokens depend neither on
-            the other requests nor on speculation, in bf16 too (kernels/batch_invariant.py).
+        Every engine option, by name (warpspec.engine_options.ENGINE_OPTIONS; the README's table
+        lists each with its default): dtype, max_model_len, quantization, device ("auto": cuda when
+        the Ray cluster has GPUs), deterministic, the KV cache (kv_cache_memory_gib per worker or
+        num_kv_blocks, block_size), the scheduler (max_num_seqs, max_num_batched_tokens,
+        enable_prefix_caching, max_waiting_requests: beyond it RESOURCE_EXHAUSTED / 429), the
+        parallel layout (num_workers, one GPU each; executor; dispatch; comm_backend; moe_parallel;
+        placement_timeout_s: how long a new replica's gang may wait for a node; placement_strategy is
+        accepted but a replica is always one STRICT_PACK gang), the draft (draft, num_speculative_tokens,
+        aux_layer_offset, compile_draft, coupled_verification), enforce_eager,
+        cuda_graph_batch_sizes, seed, run_dir.
 
     Replicas (Ray Serve):
         min_replicas (1), max_replicas (1), initial_replicas (min_replicas), target_ongoing_requests (8):
@@ -100,6 +108,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_request_bytes (16 MiB): one gRPC message or HTTP body. max_prompt_bytes (4 MiB): prompt text.
     """
     config = ServeConfig.from_args(dict(args))
+    config.engine = resolve_device(config.engine)
     deployment = WarpspecServer.options(
         autoscaling_config=config.autoscaling_config,
         max_ongoing_requests=config.max_ongoing_requests,

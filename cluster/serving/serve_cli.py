@@ -19,6 +19,7 @@ import socket
 import threading
 from typing import Any
 
+from warpspec.engine_options import add_engine_flags, engine_options_from_flags
 from warpspec.serving.auth import API_KEY_ENV
 from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTIONS
 
@@ -83,12 +84,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="serve a checkpoint over gRPC and OpenAI HTTP on Ray Serve")
     serve.add_argument("--model", required=True, help="target checkpoint folder")
     serve.add_argument("--model-name", help="name clients use (default: the folder's name)")
-    serve.add_argument("--draft", help="EAGLE-3 draft folder (speculative decoding)")
-    serve.add_argument("--num-speculative-tokens", type=int, default=3)
-    serve.add_argument("--workers", type=int, default=1, help="ranks per replica, one GPU each")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument("--max-model-len", type=int)
-    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--workers", type=int, help="ranks per replica, one GPU each (= --num-workers)")
     serve.add_argument("--grpc-port", type=int, default=9000)
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--host", default="127.0.0.1",
@@ -102,13 +98,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="run Ray's dashboard (local cluster only; off by default)")
     serve.add_argument("--min-replicas", type=int, default=1)
     serve.add_argument("--max-replicas", type=int, default=1)
-    serve.add_argument("--deterministic", action="store_true",
-                       help="batch-invariant steps: a request's greedy tokens do not depend on the other "
-                            "requests or on speculation, in bf16 too (slower; see the README)")
     serve.add_argument("--target-ongoing-requests", type=float, default=8.0)
-    serve.add_argument("--max-waiting-requests", type=int, default=1024)
     serve.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
-                       help="any other build_app arg (repeatable), e.g. --arg kv_cache_memory_gib=4")
+                       help="any other build_app arg (repeatable), e.g. --arg drain_timeout_s=60")
+    add_engine_flags(serve)
     serve.set_defaults(func=run_serve_command)
 
 
@@ -116,14 +109,13 @@ def run_serve_command(ns: argparse.Namespace) -> None:
 
     from warpspec.ray_env import connect_ray
 
-    args: dict[str, Any] = {"model": ns.model, "model_name": ns.model_name, "draft": ns.draft,
-                            "num_speculative_tokens": ns.num_speculative_tokens, "num_workers": ns.workers,
-                            "dtype": ns.dtype, "max_model_len": ns.max_model_len, "device": ns.device,
+    args: dict[str, Any] = {"model": ns.model, "model_name": ns.model_name, "num_workers": ns.workers,
                             "min_replicas": ns.min_replicas, "max_replicas": ns.max_replicas,
-                            "target_ongoing_requests": ns.target_ongoing_requests,
-                            "max_waiting_requests": ns.max_waiting_requests, "api_key": ns.api_key,
+                            "target_ongoing_requests": ns.target_ongoing_requests, "api_key": ns.api_key,
                             "api_key_file": ns.api_key_file, "max_request_bytes": ns.max_request_bytes,
-                            "max_prompt_bytes": ns.max_prompt_bytes, "deterministic": ns.deterministic or None}
+                            "max_prompt_bytes": ns.max_prompt_bytes}
+    args.update({name: value for name, value in engine_options_from_flags(ns).items()
+                 if not (name == "num_workers" and ns.workers is not None)})
     for item in ns.arg:
         name, sep, value = item.partition("=")
         if not sep:

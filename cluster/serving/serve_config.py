@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from warpspec.engine_options import BY_NAME as ENGINE_OPTIONS
+from warpspec.engine_options import parse_option
 from warpspec.serving.auth import ApiKeyAuth, resolve_api_key
 from warpspec.serving.limits import MIB, RequestLimits
 
@@ -21,24 +23,6 @@ GRPC_SERVICER_FUNCTIONS = [
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 DEFAULT_APP_NAME = "warpspec"
-
-# Engine arg -> (type, default); passed to AsyncLLM.from_options when not None.
-ENGINE_ARGS: dict[str, tuple[type, Any]] = {
-    "draft": (str, None), "num_workers": (int, 1), "num_speculative_tokens": (int, 3), "dtype": (str, "auto"),
-    "max_model_len": (int, None), "executor": (str, "auto"), "device": (str, "cpu"),
-    "kv_cache_memory_gib": (float, 1.0), "num_kv_blocks": (int, None), "block_size": (int, 16),
-    "max_num_seqs": (int, 256), "max_num_batched_tokens": (int, 2048), "max_waiting_requests": (int, 1024),
-    "enable_prefix_caching": (bool, True), "compile_draft": (bool, True), "seed": (int, 0), "run_dir": (str, "runs"),
-    # Sampled requests with a draft: Gumbel-max coupling instead of rejection sampling (rejection_sampler.py).
-    "coupled_verification": (bool, False),
-    # How long a new replica waits for its workers' GPUs; on Kubernetes the autoscaler may first have to add a node.
-    "placement_timeout_s": (float, 60.0),
-    "moe_parallel": (str, "tensor"),  # routed experts split by width over all ranks, or "expert": whole ones
-    "quantization": (str, None),  # "fp8": FP8 weights, quantized at load (workers/quantization.py)
-    # Batch-invariant steps: greedy output independent of load and speculation (kernels/batch_invariant.py).
-    "deterministic": (bool, False),
-}
-
 
 @dataclass
 class ServeConfig:
@@ -72,7 +56,7 @@ class ServeConfig:
     api_key_file: str | None = None
     max_request_bytes: int = 16 * MIB  # one gRPC message / HTTP body (limits.py)
     max_prompt_bytes: int = 4 * MIB  # prompt text, UTF-8
-    engine: dict[str, Any] = field(default_factory=dict)  # AsyncLLM.from_options keyword arguments
+    engine: dict[str, Any] = field(default_factory=dict)  # engine options (engine_options.py) for AsyncLLM
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -108,34 +92,15 @@ class ServeConfig:
         values: dict[str, Any] = {}
         engine: dict[str, Any] = {}
         for name, raw in args.items():
-            if name in ENGINE_ARGS:
-                value = _convert(name, raw, ENGINE_ARGS[name][0])
+            if name in ENGINE_OPTIONS:
+                value = parse_option(name, raw, ENGINE_OPTIONS[name].kind)
                 if value is not None:
                     engine[name] = value
             elif name in own:
                 kind = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float,
                         "float | None": float, "bool": bool}[str(own[name].type)]
-                values[name] = _convert(name, raw, kind)
+                values[name] = parse_option(name, raw, kind)
             else:
-                known = sorted(set(own) | set(ENGINE_ARGS))
+                known = sorted(set(own) | set(ENGINE_OPTIONS))
                 raise ValueError(f"unknown arg {name!r}; known args: {', '.join(known)}")
         return cls(**values, engine=engine)
-
-
-def _convert(name: str, raw: Any, kind: type) -> Any:
-    if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "null")):
-        return None
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(raw).lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{name} must be a boolean, got {raw!r}")
-    try:
-        if kind is int and isinstance(raw, float) and not raw.is_integer():
-            raise ValueError
-        return kind(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {kind.__name__}, got {raw!r}") from None
