@@ -3,6 +3,7 @@ set by name, and the front ends that take them, are defined in engine_options.py
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from warpspec.workers.kv_cache import CacheConfig
@@ -133,6 +134,11 @@ class EngineConfig:
             import torch
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ValueError(f"cuda_graph_batch_sizes must be positive integers, got {sizes!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         k = self.speculative.num_speculative_tokens

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from warpspec.engine_options import BY_NAME as ENGINE_OPTIONS
-from warpspec.engine_options import parse_option
+from warpspec.engine_options import engine_config, parse_option
 from warpspec.serving.auth import ApiKeyAuth, resolve_api_key
 from warpspec.serving.limits import MIB, RequestLimits
 
@@ -69,6 +69,7 @@ class ServeConfig:
                              f"{self.target_ongoing_requests} and {self.max_ongoing_requests}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
+        engine_config(self.model, **self.engine)  # a bad engine option is refused here, named, before Ray
         self.limits = RequestLimits(self.max_request_bytes, self.max_prompt_bytes)
         key = resolve_api_key(self.api_key, self.api_key_file)
         # Only the key's digest leaves this process (the deployment's args are stored by Serve).

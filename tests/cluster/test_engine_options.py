@@ -93,3 +93,17 @@ def test_a_bad_flag_value_names_the_option():
     namespace = argparse.Namespace(**{o.name: None for o in ENGINE_OPTIONS} | {"num_workers": "two"})
     with pytest.raises(ValueError, match="num_workers must be int, got 'two'"):
         engine_options_from_flags(namespace)
+
+
+@pytest.mark.parametrize("option,value,text,message", [
+    ("device", "gpu", "gpu", "device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    ("cuda_graph_batch_sizes", (0, 2), "0,2", "cuda_graph_batch_sizes must be positive integers"),
+    ("cuda_graph_batch_sizes", (), "x", "cuda_graph_batch_sizes must be"),
+    ("executor", "threads", "threads", "executor must be one of auto, local, ray, got 'threads'"),
+])
+def test_bad_values_are_refused_naming_the_option(option, value, text, message):
+    """From Python, and as a serve arg (before `warpspec serve` touches Ray)."""
+    with pytest.raises(ValueError, match=message):
+        engine_config("ckpt", **{option: value})
+    with pytest.raises(ValueError, match=message):
+        ServeConfig.from_args({"model": "m", option: text})
