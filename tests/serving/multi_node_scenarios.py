@@ -2,7 +2,7 @@
 all on this machine), each run in a process of its own by test_multi_node.py: a process holds one
 Ray connection, and the other serving tests share another.
 
-    python multi_node_scenarios.py placement|infeasible|node_loss
+    python multi_node_scenarios.py placement|infeasible|node_loss|autoscaling
 
 Each prints one line "scenario result: {JSON}" of what it saw, and asserts what it must; it stops everything it started.
 The nodes: a head with 1 CPU (Serve's controller and its one proxy) and workers with 2 CPUs. A
@@ -29,6 +29,7 @@ RUN_DIR = Path(__file__).resolve().parents[2] / "runs"
 ENGINE = {"num_workers": 1, "executor": "ray", "max_model_len": 1024, "num_kv_blocks": 400,
           "placement_timeout_s": 5, "warmup": True}
 PROMPT = [5, 6, 7]
+IDLE_TIMEOUT_S = 6  # the autoscaler removes a node idle this long
 RESULT_PREFIX = "scenario result: "  # Ray's own lines share stdout
 
 
@@ -48,6 +49,49 @@ def start_cluster(num_nodes: int):
     nodes = [cluster.add_node(num_cpus=2) for _ in range(num_nodes)]
     ray.init(address=cluster.address, log_to_driver=False)
     return cluster, nodes
+
+
+def start_autoscaling_cluster(max_nodes: int):
+    """A head (1 CPU) whose autoscaler launches 2-CPU nodes, one kept always, up to max_nodes, through
+    Ray's fake multi-node provider (nodes are raylets on this machine) and removes them after 6 s idle."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp_dir = Path(tempfile.mkdtemp(prefix="ws-as-"))  # the socket paths must stay short
+    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp_dir),
+                       "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
+    from warpspec.serving.serve_cli import free_local_port
+
+    gcs_port = free_local_port()
+    gcs_address = f"{ray._private.services.get_node_ip_address()}:{gcs_port}"
+    no_commands = {name: [] for name in ("initialization_commands", "setup_commands", "head_setup_commands",
+                                         "worker_setup_commands", "head_start_ray_commands",
+                                         "worker_start_ray_commands")}
+    config = {"cluster_name": "warpspec-test", "max_workers": max_nodes, "upscaling_speed": 1.0,
+              "idle_timeout_minutes": IDLE_TIMEOUT_S / 60,
+              # Fake nodes are raylets started in the autoscaler's process: nothing to set up over SSH.
+              "provider": {"type": "fake_multinode", "gcs_address": gcs_address, "launch_multiple": True,
+                           "use_node_id_as_ip": True, "disable_node_updaters": True,
+                           "disable_launch_config_check": True},
+              "auth": {"ssh_user": "ray"}, "head_node_type": "ray.head.default",
+              "available_node_types": {
+                  "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
+                  "cpu2": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 1, "max_workers": max_nodes}},
+              "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, **no_commands}
+    config_path = temp_dir / "autoscaler.json"
+    config_path.write_text(json.dumps(config))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "autoscaling_config": str(config_path),
+                                                            "gcs_server_port": gcs_port})
+    ray.init(address=cluster.address, log_to_driver=False)
+    wait_for(lambda: len(worker_nodes()) == 1, 60, "the autoscaler's first node")
+    return cluster
+
+
+def worker_nodes() -> list[str]:
+    import ray
+
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU") == 2]
 
 
 def serve_app(checkpoint: str, **args) -> int:
@@ -196,6 +240,50 @@ def node_loss(cluster, nodes, checkpoint: str) -> dict:
             "placement_groups": after["groups"]}
 
 
+def autoscaling(checkpoint: str) -> dict:
+    """Load beyond one replica: Serve asks for a second replica, whose gang fits no node, so the Ray
+    autoscaler adds a node and the replica starts there and takes streams. After the load, Serve drops
+    the replica and the autoscaler the idle node."""
+    from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+
+    port = serve_app(checkpoint, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
+                     upscale_delay_s=1, downscale_delay_s=3, look_back_period_s=2, metrics_interval_s=0.5,
+                     placement_timeout_s=60)
+    times: dict[str, float] = {}
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        expected = greedy(stub, 16)
+        load_started = time.monotonic()
+        stop = threading.Event()
+
+        def keep_streaming():  # one client after another on each of 4 lanes, until told to stop
+            while not stop.is_set():
+                Stream(stub, 200).run()
+
+        lanes = [threading.Thread(target=keep_streaming, daemon=True) for _ in range(4)]
+        for lane in lanes:
+            lane.start()
+        wait_for(lambda: len(worker_nodes()) == 2, 180, "the autoscaler adding a node")
+        times["node_added_s"] = time.monotonic() - load_started
+        wait_for(lambda: sum(n.get("ServeReplica", 0) for n in actors_by_node().values()) == 2, 180,
+                 "the second replica")
+        wait_for(lambda: all(n.get("ServeReplica", 0) == 1 for node, n in actors_by_node().items()
+                             if node in worker_nodes()), 120, "one replica on each node")
+        wait_for(lambda: _serves_on_both(stub, expected), 120, "both replicas serving")
+        times["second_replica_serving_s"] = time.monotonic() - load_started
+        stop.set()
+        for lane in lanes:
+            lane.join(timeout=60)
+        load_ended = time.monotonic()
+        wait_for(lambda: sum(n.get("ServeReplica", 0) for n in actors_by_node().values()) == 1, 120,
+                 "Serve dropping the second replica")
+        times["replica_removed_s"] = time.monotonic() - load_ended
+        wait_for(lambda: len(worker_nodes()) == 1, 120, "the autoscaler removing the idle node")
+        times["node_removed_s"] = time.monotonic() - load_ended
+        assert greedy(stub, 16) == expected
+    return times
+
+
 def _serves_on_both(stub, expected: list[int]) -> bool:
     """Several greedy requests at once (so both replicas take some) all give the expected tokens."""
     results: list[list[int]] = []
@@ -213,9 +301,14 @@ def main(scenario: str) -> None:
     from warpspec.random_checkpoint import create_random_checkpoint
 
     checkpoint = str(create_random_checkpoint(Path(tempfile.mkdtemp(prefix="ws-mn-ckpt-")), "tiny", std=0.3))
-    cluster, nodes = start_cluster(num_nodes=2)
+    if scenario == "autoscaling":
+        cluster, nodes = start_autoscaling_cluster(max_nodes=2), []
+    else:
+        cluster, nodes = start_cluster(num_nodes=2)
     try:
-        if scenario == "placement":
+        if scenario == "autoscaling":
+            result = autoscaling(checkpoint)
+        elif scenario == "placement":
             result = placement(checkpoint)
         elif scenario == "infeasible":
             result = infeasible(checkpoint)

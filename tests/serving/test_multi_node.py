@@ -1,7 +1,8 @@
-"""Serving on a simulated multi-node Ray cluster (3 raylets on this machine): where replicas land, a
-replica no node can hold, and a node lost under load. The scenarios live in multi_node_scenarios.py
-and run in processes of their own (a process holds one Ray connection; the other serving tests
-share another); each asserts what it must and reports what it saw as JSON."""
+"""Serving on a simulated multi-node Ray cluster (raylets on this machine): where replicas land, a
+replica no node can hold, a node lost under load, and nodes the autoscaler adds and removes. The
+scenarios live in multi_node_scenarios.py and run in processes of their own (a process holds one Ray
+connection; the other serving tests share another); each asserts what it must and reports what it
+saw as JSON."""
 
 from __future__ import annotations
 
@@ -43,3 +44,12 @@ def test_losing_a_node_fails_its_streams_only_and_serve_restarts_its_replica():
     report = run_scenario("node_loss")
     assert report["lost_ended_after_s"] < 10
     assert report["placement_groups"] == 2
+
+
+def test_load_beyond_one_replica_adds_a_node_and_removes_it_after():
+    """Ray's fake multi-node provider as the autoscaler's cloud (the same upscaling mode, Default, as
+    k8s/rayservice.yaml; an idle timeout of 6 s instead of its 600): a second replica's gang fits no
+    node until the autoscaler adds one; after the load the replica and then the node go."""
+    report = run_scenario("autoscaling")
+    assert report["node_added_s"] < report["second_replica_serving_s"]
+    assert report["replica_removed_s"] < report["node_removed_s"]
