@@ -52,8 +52,9 @@ def start_cluster(num_nodes: int):
 
 
 def start_autoscaling_cluster(max_nodes: int):
-    """A head (1 CPU) whose autoscaler launches 2-CPU nodes, one kept always, up to max_nodes, through
-    Ray's fake multi-node provider (nodes are raylets on this machine) and removes them after 6 s idle."""
+    """A head (1 CPU) whose autoscaler launches 2-CPU nodes, up to max_nodes, through Ray's fake
+    multi-node provider (nodes are raylets the autoscaler starts on this machine) and removes them
+    after 6 s idle. It starts with none: the first replica's gang makes it add one."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -76,7 +77,7 @@ def start_autoscaling_cluster(max_nodes: int):
               "auth": {"ssh_user": "ray"}, "head_node_type": "ray.head.default",
               "available_node_types": {
                   "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
-                  "cpu2": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 1, "max_workers": max_nodes}},
+                  "cpu2": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 0, "max_workers": max_nodes}},
               "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, **no_commands}
     config_path = temp_dir / "autoscaler.json"
     config_path.write_text(json.dumps(config))
@@ -84,7 +85,6 @@ def start_autoscaling_cluster(max_nodes: int):
                                                             "autoscaling_config": str(config_path),
                                                             "gcs_server_port": gcs_port})
     ray.init(address=cluster.address, log_to_driver=False)
-    wait_for(lambda: len(worker_nodes()) == 1, 60, "the autoscaler's first node")
     return cluster
 
 
@@ -244,6 +244,8 @@ def autoscaling(checkpoint: str) -> dict:
     """Load beyond one replica: Serve asks for a second replica, whose gang fits no node, so the Ray
     autoscaler adds a node and the replica starts there and takes streams. After the load, Serve drops
     the replica and the autoscaler the idle node."""
+    from ray import serve
+
     from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 
     port = serve_app(checkpoint, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
@@ -281,6 +283,9 @@ def autoscaling(checkpoint: str) -> dict:
         wait_for(lambda: len(worker_nodes()) == 1, 120, "the autoscaler removing the idle node")
         times["node_removed_s"] = time.monotonic() - load_ended
         assert greedy(stub, 16) == expected
+    # The autoscaler started the nodes, so it stops them: with the application gone, all go idle.
+    serve.delete("warpspec")
+    wait_for(lambda: not worker_nodes(), 120, "the autoscaler removing every node")
     return times
 
 
