@@ -1,6 +1,6 @@
 """The warpspec.v1.Generation servicer function Serve's gRPC proxy registers (serve_config's
-GRPC_SERVICER_FUNCTIONS): the generated one's handlers, with request parsing that cannot fail and
-streams whose client cancellations always reach the replica.
+GRPC_SERVICER_FUNCTIONS): the generated one's handlers, with request parsing that cannot fail,
+streams whose client cancellations always reach the replica, and UNAVAILABLE for a lost replica.
 
 Parsing. The proxy parses each request with the handler's request_deserializer before Serve routes
 it. With the generated `GenerateRequest.FromString`, bytes that are not a GenerateRequest (a string
@@ -18,6 +18,11 @@ the replica generates the whole request for nobody. Which of the two happens is 
 10 cancels after a deadline, and in 2 of 3 runs of the suite's cancellation test.
 `_cancel_propagating` closes the race: the proxy's generator runs in a task of its own that is only
 ever suspended awaiting the replica, and a client that goes away cancels that task.
+
+A replica that dies mid-request (its node or process gone). The proxy reports Ray's ActorDiedError /
+ActorUnavailableError as INTERNAL ("The actor ... is unavailable"), though the request did nothing
+wrong and another replica can serve it: `_lost_replica_is_unavailable` makes that UNAVAILABLE, the
+status clients retry on, as a live replica that cannot serve already answers.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import re
 from dataclasses import dataclass
 
 import grpc
@@ -52,6 +58,25 @@ def _tolerant_parser(message_type):
         except DecodeError as e:
             return MalformedMessage(message_type.DESCRIPTOR.name, str(e).split(": ")[-1][:200])
     return parse
+
+
+LOST_REPLICA = re.compile(r"\bactor\b.*\b(unavailable|died|dead)\b", re.IGNORECASE | re.DOTALL)
+
+
+def _lost_replica_is_unavailable(context) -> None:
+    """INTERNAL set by the proxy for a replica actor that died or became unreachable -> UNAVAILABLE."""
+    if context.code() == grpc.StatusCode.INTERNAL and LOST_REPLICA.search(context.details() or ""):
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
+        context.set_details(f"the replica serving this request is gone (retry): {context.details()}")
+
+
+def _unary_reporting_lost_replicas(unary_handler):
+    async def handler(request, context):
+        try:
+            return await unary_handler(request, context)
+        finally:
+            _lost_replica_is_unavailable(context)
+    return handler
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,7 @@ def _cancel_propagating(stream_handler):
                 task.cancel()
             with contextlib.suppress(BaseException):  # its error, if any, was raised above
                 await task
+            _lost_replica_is_unavailable(context)
     return handler
 
 
@@ -113,6 +139,8 @@ class GenerationHandlers(grpc.ServiceRpcHandler):
         handler = self._method_handlers.get(handler_call_details.method)
         if handler is not None and inspect.isasyncgenfunction(handler.unary_stream):
             handler = handler._replace(unary_stream=_cancel_propagating(handler.unary_stream))
+        elif handler is not None and inspect.iscoroutinefunction(handler.unary_unary):
+            handler = handler._replace(unary_unary=_unary_reporting_lost_replicas(handler.unary_unary))
         return handler
 
 
