@@ -146,6 +146,11 @@ def parse_option(name: str, raw: Any, kind: type) -> Any:
         raise ValueError(f"{name} must be {kind.__name__}, got {raw!r}") from None
 
 
+def _shown(default: Any) -> str:
+    """A default as a user types it: (1, 2, 4) -> "1,2,4"."""
+    return ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -158,8 +163,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     for option in ENGINE_OPTIONS:
         if option.name in skip:
             continue
-        default = option.default if not isinstance(option.default, tuple) else ",".join(map(str, option.default))
-        text = f"{option.help} (default: {default})"
+        text = f"{option.help} (default: {_shown(option.default)})"
         if option.kind is bool:
             group.add_argument(flag(option.name), action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
@@ -181,9 +185,6 @@ def options_table() -> str:
     """The README's table of engine options, one row per option."""
     rows = ["| option | default | what it sets |", "|---|---|---|"]
     for option in ENGINE_OPTIONS:
-        default = option.default
-        if isinstance(default, tuple):
-            default = ",".join(map(str, default))
         choices = f" ({' / '.join(option.choices)})" if option.choices else ""
-        rows.append(f"| `{option.name}` | `{default}` | {option.help}{choices} |")
+        rows.append(f"| `{option.name}` | `{_shown(option.default)}` | {option.help}{choices} |")
     return "\n".join(rows)

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: waiting.py
+from grpc_stream import Stream  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
 RUN_DIR = Path(__file__).resolve().parents[2] / "runs"
@@ -131,30 +132,8 @@ def greedy(stub, max_tokens: int = 16) -> list[int]:
     return list(stub.Generate(request, timeout=60).token_ids)
 
 
-class Stream(threading.Thread):
-    """One greedy streaming request: the tokens received, its final status and when it ended."""
-
-    def __init__(self, stub, max_tokens: int):
-        super().__init__(daemon=True)
-        self.stub, self.max_tokens = stub, max_tokens
-        self.started = threading.Event()
-        self.token_ids, self.code, self.details, self.ended_at = [], None, "", None
-
-    def run(self) -> None:
-        from warpspec.protos.warpspec.v1 import generation_pb2 as pb
-
-        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT),
-                                     params=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
-                                                              ignore_eos=True))
-        try:
-            for reply in self.stub.GenerateStream(request, timeout=180):
-                self.token_ids += reply.token_ids
-                self.started.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as e:
-            self.code, self.details = e.code(), e.details()
-        self.started.set()
-        self.ended_at = time.monotonic()
+def _stream(stub, max_tokens: int) -> Stream:
+    return Stream(stub, max_tokens, prompt=PROMPT)
 
 
 def placement(checkpoint: str) -> dict:
@@ -200,7 +179,7 @@ def node_loss(cluster, nodes, checkpoint: str) -> dict:
         new_tokens = 1000
         expected = greedy(stub, new_tokens)
         before = {"groups": live_placement_groups(), "replicas": 2}
-        streams = [Stream(stub, new_tokens) for _ in range(10)]
+        streams = [_stream(stub, new_tokens) for _ in range(10)]
         for s in streams:
             s.start()
         for s in streams:
@@ -256,7 +235,7 @@ def autoscaling(checkpoint: str) -> dict:
 
         def keep_streaming():  # one client after another on each of 4 lanes, until told to stop
             while not stop.is_set():
-                Stream(stub, 200).run()
+                _stream(stub, 200).run()
 
         lanes = [threading.Thread(target=keep_streaming, daemon=True) for _ in range(4)]
         for lane in lanes:

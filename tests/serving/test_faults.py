@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +19,7 @@ import psutil
 import pytest
 from conftest import ENGINE_ARGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_stream import Stream
 from waiting import wait_for, wait_for_async
 
 from warpspec.async_llm import AsyncLLM
@@ -81,28 +81,9 @@ def _greedy(stub, app: str, max_tokens: int = 16) -> list[int]:
     return list(stub.Generate(request, timeout=60, metadata=_metadata(app)).token_ids)
 
 
-class Stream(threading.Thread):
-    """One streaming request in a thread: records tokens received, the final status and when it ended."""
-
-    def __init__(self, stub, app: str, max_tokens: int):
-        super().__init__(daemon=True)
-        self.stub, self.app, self.max_tokens = stub, app, max_tokens
-        self.started = threading.Event()
-        self.num_tokens, self.code, self.details, self.ended_at = 0, None, "", None
-
-    def run(self) -> None:
-        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3]),
-                                     params=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
-                                                              ignore_eos=True))
-        try:
-            for reply in self.stub.GenerateStream(request, timeout=120, metadata=_metadata(self.app)):
-                self.num_tokens += len(reply.token_ids)
-                self.started.set()
-            self.code = grpc.StatusCode.OK
-        except grpc.RpcError as e:
-            self.code, self.details = e.code(), e.details()
-        self.started.set()
-        self.ended_at = time.monotonic()
+def _stream(stub, app: str, max_tokens: int) -> Stream:
+    """A greedy stream of the app's, in a thread once started."""
+    return Stream(stub, max_tokens, prompt=[1, 2, 3], metadata=_metadata(app), timeout_s=120)
 
 
 @pytest.mark.parametrize("victim", ["worker", "coordinator"])
@@ -115,7 +96,7 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
     rss_before = psutil.Process(before.pid).memory_info().rss
     assert len(before.worker_pids) == 2 and before.coordinator_pid is not None
 
-    streams = [Stream(stub, FAULT_APP, max_tokens=1000) for _ in range(3)]
+    streams = [_stream(stub, FAULT_APP, max_tokens=1000) for _ in range(3)]
     for s in streams:
         s.start()
     for s in streams:
@@ -171,8 +152,8 @@ def test_scale_down_finishes_short_requests_cuts_off_long_ones_and_releases_ever
     assert _live_placement_groups() == baseline[1] + 1
     with grpc.insecure_channel(serving_stack.grpc_target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        short = [Stream(stub, app, max_tokens=40) for _ in range(2)]
-        long = Stream(stub, app, max_tokens=1000)
+        short = [_stream(stub, app, max_tokens=40) for _ in range(2)]
+        long = _stream(stub, app, max_tokens=1000)
         for s in [*short, long]:
             s.start()
         for s in [*short, long]:
