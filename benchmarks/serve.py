@@ -110,7 +110,7 @@ def grpc_runner(stub, new_tokens: int) -> RunOne:
     return run_one
 
 
-def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1) -> str:
+def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, stream_gap_ms: float = 0.0) -> str:
     import ray
 
     from warpspec.serving.serve_cli import start_serving
@@ -129,6 +129,7 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1) -
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
     start_serving({"model": str(model_dir), "num_cpus": REPLICA_CPUS, "stream_interval": stream_interval,
+                   "stream_gap_ms": stream_gap_ms,
                    **engine_args}, grpc_port=port,
                   http_port=http_port, host="127.0.0.1")
     return f"127.0.0.1:{port}"
@@ -185,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the deployment's stream_interval: new tokens per streamed message at least")
+    parser.add_argument("--stream-gap-ms", type=float, default=0.0,
+                        help="the deployment's stream_gap_ms: at most one streamed message per this many ms")
     parser.add_argument("--run-dir", default="runs")
     parser.add_argument("--autoscale", action="store_true",
                         help="instead: check that sustained load adds a second replica that takes traffic, "
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    target = _start_serve(model_dir, engine_args, args.stream_interval)
+    target = _start_serve(model_dir, engine_args, args.stream_interval, args.stream_gap_ms)
     try:
         runs = asyncio.run(_compare(model_dir, engine_args, target, vocab, args))
     finally:
@@ -225,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
                 "tpot_p50_added_pct": 100 * (served["tpot_ms_p50"] / local["tpot_ms_p50"] - 1),
                 "ttft_p50_added_ms": served["ttft_ms_p50"] - local["ttft_ms_p50"]}
     load = f"{args.rate:g} req/s open loop" if args.rate > 0 else f"{args.concurrency} concurrent streams"
-    report = {"load": load, "stream_interval": args.stream_interval, "num_requests": args.num_requests,
+    report = {"load": load, "stream_interval": args.stream_interval, "stream_gap_ms": args.stream_gap_ms,
+              "num_requests": args.num_requests,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows,
               "overhead": overhead}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(report, indent=2))
     text = (f"Serving overhead, {load}, {args.num_requests} requests x {args.new_tokens} tokens, "
-            f"stream_interval {args.stream_interval} "
+            f"stream_interval {args.stream_interval}, stream_gap_ms {args.stream_gap_ms:g} "
             f"(median of {args.repeats}):\n\n{_table(rows)}\n\n"
             f"serving path: {overhead['tokens_per_s_lost_pct']:.1f}% fewer tokens/s, "
             f"TPOT p50 {overhead['tpot_p50_added_pct']:+.1f}%, TTFT p50 {overhead['ttft_p50_added_ms']:+.1f} ms\n")

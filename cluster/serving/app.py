@@ -96,6 +96,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         warmup (true): run one short request before the replica takes traffic.
         stream_interval (1): streamed messages carry at least this many new tokens; each message costs
             a few ms on the serving path, so a fast model on few CPUs streams cheaper in bunches.
+        stream_gap_ms (0): after its first message a stream sends at most one message per this many ms,
+            carrying all tokens since the last; a stream slower than that still sends each token at once.
         prefix_routing (true): a gRPC request whose prompt opens like an earlier one goes to the replica
             that served that one (its prefix cache), unless it is much busier (prefix_router.py).
         health_check_period_s (10). drain_timeout_s (30): on scale-down or redeploy, a stopping
@@ -119,4 +121,5 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         **request_routing(config),
     )
     return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval,
-                           drain_timeout_s=config.drain_timeout_s, limits=config.limits, auth=config.auth)
+                           drain_timeout_s=config.drain_timeout_s, limits=config.limits, auth=config.auth,
+                           stream_gap_ms=config.stream_gap_ms)

@@ -74,11 +74,11 @@ def _match_threads_to_reserved_cpus() -> None:
 class WarpspecServer:
     async def __init__(self, model: str, engine_options: dict, model_name: str | None = None, warmup: bool = True,
                        stream_interval: int = 1, drain_timeout_s: float = 5.0, limits: RequestLimits | None = None,
-                       auth: ApiKeyAuth | None = None):
+                       auth: ApiKeyAuth | None = None, stream_gap_ms: float = 0.0):
         _match_threads_to_reserved_cpus()
         llm = await AsyncLLM.create(model, **engine_options)
         metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
-        self.engine = ReplicaFrontend(llm, model_name, metrics, stream_interval)
+        self.engine = ReplicaFrontend(llm, model_name, metrics, stream_interval, stream_gap_s=stream_gap_ms / 1000)
         self.drain_timeout_s = drain_timeout_s
         self.limits, self.auth = limits or RequestLimits(), auth  # auth None: no API key required
         self.service = GenerationService(self.engine, self.limits, auth)

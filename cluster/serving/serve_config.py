@@ -43,6 +43,7 @@ class ServeConfig:
     num_gpus: float = 0.0  # likewise; Ray workers take their own GPUs through the placement group
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
     stream_interval: int = 1  # new tokens per streamed message at least (1: every step's tokens at once)
+    stream_gap_ms: float = 0.0  # at most one streamed message per this many ms after the first (0: no gap)
     health_check_period_s: float = 10.0
     # Route a prompt to the replica that served its opening before (prefix_router.py); False: Serve's
     # power of two choices.
@@ -67,6 +68,8 @@ class ServeConfig:
         if self.target_ongoing_requests <= 0 or self.max_ongoing_requests < 1:
             raise ValueError(f"target_ongoing_requests must be > 0 and max_ongoing_requests >= 1, got "
                              f"{self.target_ongoing_requests} and {self.max_ongoing_requests}")
+        if not self.stream_gap_ms >= 0:
+            raise ValueError(f"stream_gap_ms must be >= 0, got {self.stream_gap_ms}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
         engine_config(self.model, **self.engine)  # a bad engine option is refused here, named, before Ray

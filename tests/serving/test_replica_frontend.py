@@ -93,3 +93,35 @@ def test_stream_interval_bunches_deltas_without_changing_them(serving_checkpoint
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_stream_gap_coalesces_a_fast_stream_and_lets_a_slow_one_through(serving_checkpoint):
+    """A gap of 200 ms over 40 tokens made in well under a second: the first token at once, then
+    a message per gap at most, each with everything since the last, the tokens and text unchanged.
+    With a gap shorter than a step (0.1 ms) each step's token goes out as it comes (tokens of steps
+    that queued up while a message was being handed on go together)."""
+    async def main():
+        import time
+
+        from warpspec.sampling_params import SamplingParams
+
+        engine = ReplicaFrontend(AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=128,
+                                                     num_kv_blocks=32), "tiny", stream_gap_s=0.2)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        start, outs, arrivals = time.perf_counter(), [], []
+        async for out in engine.stream("def main():", params):
+            outs.append(out)
+            arrivals.append(time.perf_counter() - start)
+        elapsed = arrivals[-1]
+        assert len(outs[0].new_token_ids) == 1  # the first token alone, at once
+        assert len(outs) <= elapsed / 0.2 + 2  # one per gap, plus the first and the last
+        assert len(outs) < 40
+        assert all(b - a >= 0.19 for a, b in zip(arrivals[1:-1], arrivals[2:-1], strict=False))
+        assert [t for o in outs for t in o.new_token_ids] == outs[-1].token_ids
+        assert "".join(o.new_text for o in outs) == outs[-1].text
+        engine.stream_gap_s = 0.0001
+        sizes = [len(o.new_token_ids) async for o in engine.stream("def main():", params)]
+        assert sum(sizes) == 40 and len(sizes) >= 20  # a message per step, but for steps that queued up
+        await engine.shutdown()
+
+    asyncio.run(main())
