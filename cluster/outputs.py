@@ -38,3 +38,11 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def new_positions(out: RequestOutput) -> list[PositionLogprobs]:
+    """The logprobs of out.new_token_ids. Counted from out.token_ids, not from the end of out.logprobs:
+    in one process the engine appends to that list as it goes, so a consumer that reads an output a
+    step or two late would find later positions at its end."""
+    end = len(out.token_ids)
+    return out.logprobs[end - len(out.new_token_ids): end]

@@ -96,7 +96,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         warmup (true): run one short request before the replica takes traffic.
         stream_interval (1): streamed messages carry at least this many new tokens; each message costs
             a few ms on the serving path, so a fast model on few CPUs streams cheaper in bunches.
-        stream_gap_ms (0): after its first message a stream sends at most one message per this many ms,
+        stream_gap_ms (25): after its first message a stream sends at most one message per this many ms,
             carrying all tokens since the last; a stream slower than that still sends each token at once.
         prefix_routing (true): a gRPC request whose prompt opens like an earlier one goes to the replica
             that served that one (its prefix cache), unless it is much busier (prefix_router.py).

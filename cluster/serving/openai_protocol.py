@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from warpspec.engine import Prompt
-from warpspec.outputs import RequestOutput
+from warpspec.outputs import RequestOutput, new_positions
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.request_mapping import check_max_tokens
@@ -277,7 +277,7 @@ class ResponseBuilder:
     def chunk(self, out: RequestOutput) -> dict:
         positions = None
         if out.logprobs is not None:
-            positions = out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if out.new_token_ids else []
+            positions = new_positions(out)
         if self.chat:
             delta: dict = {"content": out.new_text}
             if not self.sent_first:

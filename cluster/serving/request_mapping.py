@@ -6,7 +6,7 @@ from __future__ import annotations
 from google.protobuf import unknown_fields
 
 from warpspec.engine import Prompt
-from warpspec.outputs import PositionLogprobs, RequestOutput
+from warpspec.outputs import PositionLogprobs, RequestOutput, new_positions
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.serving.grpc_servicers import MalformedMessage
@@ -102,7 +102,7 @@ def response_from_output(out: RequestOutput, streaming: bool) -> pb.GenerateResp
                                    token_ids=token_ids, finish_reason=out.finish_reason or "",
                                    stop_reason="" if out.stop_reason is None else str(out.stop_reason))
     if out.logprobs is not None and token_ids:
-        positions = out.logprobs[len(out.logprobs) - len(token_ids):] if streaming else out.logprobs
+        positions = new_positions(out) if streaming else out.logprobs[: len(out.token_ids)]
         response.logprobs.extend(_logprobs_to_proto(positions, token_ids))
     if out.finished:
         m = out.metrics

@@ -43,7 +43,7 @@ class ServeConfig:
     num_gpus: float = 0.0  # likewise; Ray workers take their own GPUs through the placement group
     warmup: bool = True  # one short request before the replica takes traffic (and compiles the draft)
     stream_interval: int = 1  # new tokens per streamed message at least (1: every step's tokens at once)
-    stream_gap_ms: float = 0.0  # at most one streamed message per this many ms after the first (0: no gap)
+    stream_gap_ms: float = 25.0  # at most one streamed message per this many ms after the first (0: no gap)
     health_check_period_s: float = 10.0
     # Route a prompt to the replica that served its opening before (prefix_router.py); False: Serve's
     # power of two choices.

@@ -125,3 +125,14 @@ def test_stream_gap_coalesces_a_fast_stream_and_lets_a_slow_one_through(serving_
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_late_reader_gets_the_logprobs_of_its_own_tokens():
+    """In one process the engine keeps appending to the list an output's logprobs refer to: a reader
+    a step late must still get the positions of that output's new tokens, not the latest ones."""
+    from warpspec.outputs import Logprob, RequestOutput, new_positions
+
+    shared = [{5: Logprob(-0.1, 1)}, {7: Logprob(-0.2, 1)}]
+    out = RequestOutput("r", None, [1], "", [5, 7], None, logprobs=shared, new_token_ids=[7])
+    shared.append({9: Logprob(-0.3, 1)})  # the next step, before the reader got to `out`
+    assert new_positions(out) == [{7: Logprob(-0.2, 1)}]
