@@ -32,8 +32,10 @@ from warpspec.benchmarks.throughput import make_prompts
 from warpspec.random_checkpoint import create_random_checkpoint
 from warpspec.sampling_params import SamplingParams
 
-# One request under load: (time to first token, time per output token after it, output tokens).
-Timing = tuple[float, float, int]
+# One request under load: (time to first token, time per output token after it, output tokens, the
+# inter-token latencies: for each message after the first, the time since the one before, as
+# vLLM's serving benchmark counts them: tokens that arrive together wait as one).
+Timing = tuple[float, float, int, list[float]]
 RunOne = Callable[[list[int]], Awaitable[Timing]]
 REPLICA_CPUS = 1  # the replica actor's num_cpus (build_app's default)
 
@@ -70,8 +72,9 @@ async def drive(run_one: RunOne, prompts: list[list[int]], concurrency: int, rat
     wall = time.perf_counter() - start
     ttft = [t[0] * 1e3 for t in timings]
     tpot = [t[1] * 1e3 for t in timings]
+    itl = [gap * 1e3 for t in timings for gap in t[3]] or [0.0]
     row = {"tokens_per_s": sum(t[2] for t in timings) / wall, "wall_s": wall}
-    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot)):
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
         for q in (0.5, 0.9, 0.99):
             row[f"{name}_p{int(q * 100)}"] = _percentile(values, q)
     return row
@@ -81,13 +84,17 @@ def in_process_runner(engine: AsyncLLM, new_tokens: int) -> RunOne:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     async def run_one(prompt: list[int]) -> Timing:
-        sent, first, count = time.perf_counter(), None, 0
+        sent, first, last, count, gaps = time.perf_counter(), None, None, 0, []
         async for out in engine.generate(prompt, params):
-            if out.new_token_ids and first is None:
-                first = time.perf_counter()
+            if out.new_token_ids:
+                now = time.perf_counter()
+                first = now if first is None else first
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
             count += len(out.new_token_ids)
         end = time.perf_counter()
-        return first - sent, (end - first) / max(1, count - 1), count
+        return first - sent, (end - first) / max(1, count - 1), count, gaps
 
     return run_one
 
@@ -99,13 +106,17 @@ def grpc_runner(stub, new_tokens: int) -> RunOne:
 
     async def run_one(prompt: list[int]) -> Timing:
         request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=params)
-        sent, first, count = time.perf_counter(), None, 0
+        sent, first, last, count, gaps = time.perf_counter(), None, None, 0, []
         async for reply in stub.GenerateStream(request, timeout=600):
-            if reply.token_ids and first is None:
-                first = time.perf_counter()
+            if reply.token_ids:
+                now = time.perf_counter()
+                first = now if first is None else first
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
             count += len(reply.token_ids)
         end = time.perf_counter()
-        return first - sent, (end - first) / max(1, count - 1), count
+        return first - sent, (end - first) / max(1, count - 1), count, gaps
 
     return run_one
 
@@ -136,11 +147,12 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, s
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| path | tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) |", "|---|---|---|---|"]
+    lines = ["| path | tokens/s | TTFT p50 / p90 / p99 (ms) | TPOT p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) |",
+             "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['path']} | {r['tokens_per_s']:.0f} | {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p90']:.1f} / "
                      f"{r['ttft_ms_p99']:.1f} | {r['tpot_ms_p50']:.2f} / {r['tpot_ms_p90']:.2f} / "
-                     f"{r['tpot_ms_p99']:.2f} |")
+                     f"{r['tpot_ms_p99']:.2f} | {r['itl_ms_p50']:.2f} / {r['itl_ms_p99']:.2f} |")
     return "\n".join(lines)
 
 

@@ -25,3 +25,4 @@ def test_bench_serve_writes_its_side_by_side_table(tmp_path):
     report = json.loads((tmp_path / "bench" / "serve.json").read_text())
     assert [r["path"] for r in report["rows"]] == ["AsyncLLM in-process", "gRPC via Ray Serve"]
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and "tokens_per_s_lost_pct" in report["overhead"]
+    assert all(r["itl_ms_p99"] >= r["itl_ms_p50"] >= 0 for r in report["rows"])
