@@ -81,3 +81,19 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
     # it just started nor a controller killed mid-shutdown.
     assert rest.strip().splitlines()[-1] == "warpspec: stopped (the local Ray cluster is down)", rest[-2000:]
     assert "Connecting to existing Serve app" not in "".join(startup) + rest and "graceful_shutdown failed" not in rest
+
+
+def test_warpspec_serve_refuses_a_replica_no_node_can_hold(serving_checkpoint):
+    """A replica asking 64 CPUs for itself and one per each of its 4 workers: no node of the local
+    cluster (max(8, this machine's cores) logical CPUs) holds the gang. One line naming the node,
+    exit status 1."""
+    run_dir = tempfile.mkdtemp(prefix="ws-cli-")  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "warpspec.cli", "serve", "--model", str(serving_checkpoint),
+                           "--workers", "4", "--placement-timeout-s", "2", "--grpc-port", str(_free_port()),
+                           "--http-port", str(_free_port()), "--arg", f"run_dir={run_dir}", "--arg", "num_cpus=64"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "warpspec: error: a replica needs CPU 68, GPU 0 on one node" in done.stderr
+    assert "no node is large enough" in done.stderr and "Traceback" not in done.stderr
