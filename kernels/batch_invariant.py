@@ -22,7 +22,9 @@ How each path gets there:
   cuBLAS, attention walks each query's context in one program, and the all-reduce sums in float64.
 
 The mode is a switch for the current process, set around each step by whoever runs the model
-(`deterministic(True)`), so the model code stays the same in both modes.
+(`deterministic(True)`), so the model code stays the same in both modes. Being process-wide, it
+assumes one engine steps at a time in a process (as every engine here does: one step loop each);
+two engines with different settings stepping in two threads of one process would mix them.
 """
 
 from __future__ import annotations
