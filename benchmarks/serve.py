@@ -80,21 +80,27 @@ async def drive(run_one: RunOne, prompts: list[list[int]], concurrency: int, rat
     return row
 
 
+async def _timed(token_batches) -> Timing:
+    """Time one request from the moment its stream is iterated: token_batches yields the token ids
+    each message (or output) brings."""
+    sent, first, last, count, gaps = time.perf_counter(), None, None, 0, []
+    async for token_ids in token_batches:
+        if token_ids:
+            now = time.perf_counter()
+            first = now if first is None else first
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+        count += len(token_ids)
+    end = time.perf_counter()
+    return first - sent, (end - first) / max(1, count - 1), count, gaps
+
+
 def in_process_runner(engine: AsyncLLM, new_tokens: int) -> RunOne:
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     async def run_one(prompt: list[int]) -> Timing:
-        sent, first, last, count, gaps = time.perf_counter(), None, None, 0, []
-        async for out in engine.generate(prompt, params):
-            if out.new_token_ids:
-                now = time.perf_counter()
-                first = now if first is None else first
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-            count += len(out.new_token_ids)
-        end = time.perf_counter()
-        return first - sent, (end - first) / max(1, count - 1), count, gaps
+        return await _timed(out.new_token_ids async for out in engine.generate(prompt, params))
 
     return run_one
 
@@ -106,17 +112,7 @@ def grpc_runner(stub, new_tokens: int) -> RunOne:
 
     async def run_one(prompt: list[int]) -> Timing:
         request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=params)
-        sent, first, last, count, gaps = time.perf_counter(), None, None, 0, []
-        async for reply in stub.GenerateStream(request, timeout=600):
-            if reply.token_ids:
-                now = time.perf_counter()
-                first = now if first is None else first
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
-            count += len(reply.token_ids)
-        end = time.perf_counter()
-        return first - sent, (end - first) / max(1, count - 1), count, gaps
+        return await _timed(reply.token_ids async for reply in stub.GenerateStream(request, timeout=600))
 
     return run_one
 

@@ -23,6 +23,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from warpspec.config import ParallelConfig
 from warpspec.coordinator import check_gang_fits, serving_bundles
 from warpspec.engine_options import engine_config
 from warpspec.serving.deployment import WarpspecServer
@@ -34,8 +35,8 @@ def check_replica_fits(config: ServeConfig) -> None:
     hold fails here, naming each node's resources, instead of waiting for resources forever."""
     placement = replica_placement(config)
     if placement:
-        engine = engine_config(config.model, **config.engine)
-        check_gang_fits(placement["placement_group_bundles"], engine.parallel.placement_timeout_s)
+        timeout_s = config.engine.get("placement_timeout_s", ParallelConfig.placement_timeout_s)
+        check_gang_fits(placement["placement_group_bundles"], timeout_s)
 
 
 def resolve_device(engine: dict[str, Any]) -> dict[str, Any]:
