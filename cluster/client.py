@@ -128,7 +128,11 @@ def run_client_command(ns: argparse.Namespace) -> None:
             else:
                 prompt: str | list[int] | None = ns.prompt
                 if ns.prompt_token_ids:
-                    prompt = [int(t) for t in ns.prompt_token_ids.split(",")]
+                    try:
+                        prompt = [int(t) for t in ns.prompt_token_ids.split(",")]
+                    except ValueError:
+                        raise ValueError(f"--prompt-token-ids must be comma-separated integers, got "
+                                         f"{ns.prompt_token_ids!r:.80}") from None
                 if prompt is None:
                     raise ValueError("pass --prompt or --prompt-token-ids")
                 params = dict(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,

@@ -46,3 +46,10 @@ def test_client_command(serving_stack, reference_llm, capsys):
         main(["client", "generate", *target, "--prompt", "Hello", "--max-tokens", "-1"])
     assert exit_.value.code == 2  # refused input, as everywhere on the command line
     assert "INVALID_ARGUMENT: params.max_tokens must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ids", ["1,x", "1,,2", "1.5"])
+def test_client_command_refuses_bad_token_ids_naming_the_flag(ids, capsys):
+    """Refused before any call is made (no server at this address), exit 2 as for any refused input."""
+    assert main(["client", "generate", "--target", "127.0.0.1:1", "--prompt-token-ids", ids]) == 2
+    assert f"--prompt-token-ids must be comma-separated integers, got {ids!r}" in capsys.readouterr().err
