@@ -3,6 +3,7 @@ set by name, and the front ends that take them, are defined in engine_options.py
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -110,9 +111,12 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     run_dir: str = "runs"  # where a locally started Ray keeps its session files
-    # On CUDA devices decode and verification steps replay captured CUDA graphs; True runs every step
-    # eagerly (debugging, profiling single kernels).
-    enforce_eager: bool = False
+    # Decode and verification steps replay captured CUDA graphs on CUDA devices and run
+    # torch.compile'd on a one-rank CPU replica (workers/compiled_step.py); True runs every step
+    # eagerly (debugging, profiling single kernels). WARPSPEC_ENFORCE_EAGER=1 in the environment makes
+    # True the default, for programs that build many short-lived engines (the test suite), where each
+    # engine's compile costs more than it saves.
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get("WARPSPEC_ENFORCE_EAGER") == "1")
     # Every row computed to the same bits whatever else the step holds (kernels/batch_invariant.py):
     # greedy output in bf16 then depends neither on the other requests nor on speculation.
     deterministic: bool = False

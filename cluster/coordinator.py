@@ -135,7 +135,7 @@ class Coordinator:
         configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
                                 self._comm_init(rank, address, port, nccl_id), self.config.device, threads,
                                 self.config.cuda_graph_config(), self.config.quantization,
-                                self.parallel.moe_parallel, self.config.deterministic)
+                                self.parallel.moe_parallel, self.config.deterministic, self.config.run_dir)
                    for rank in range(self.parallel.num_workers)]
         # Every rank must enter the group together: start the others, join here, then wait for them.
         started = [w.start.remote(c) for w, c in zip(self.workers, configs[1:], strict=True)]

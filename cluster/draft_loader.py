@@ -5,13 +5,12 @@ beside a one-rank target (sharing its embedding table), or inside the coordinato
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import torch
 
 from warpspec.config import EngineConfig
 from warpspec.eagle3_proposer import Eagle3Proposer
+from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.model_config import ModelConfig
@@ -30,8 +29,7 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
         embed_tokens = read_checkpoint_tensor(config.model, "model.embed_tokens.weight", model_config).to(dtype)
     draft = load_eagle3(spec.draft, model_config, embed_tokens, dtype, spec.aux_layer_offset)
     if spec.compile_draft:
-        # Compiled kernels are cached here, so a restart does not pay the compile again.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.run_dir, "inductor").resolve()))
+        use_compile_cache(config.run_dir)
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
                           compile=spec.compile_draft, deterministic=config.deterministic)
 

@@ -52,9 +52,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("device", "device", str, "auto", "auto (CUDA when this process sees a GPU, else CPU), cpu, cuda"),
     EngineOption("deterministic", "deterministic", bool, False,
                  "batch-invariant steps: a request's tokens depend neither on the others nor on speculation"),
-    EngineOption("enforce_eager", "enforce_eager", bool, False, "run every step eagerly (no CUDA graphs)"),
+    EngineOption("enforce_eager", "enforce_eager", bool, False,
+                 "run every step eagerly: no CUDA graphs, no compiled CPU steps "
+                 "(WARPSPEC_ENFORCE_EAGER=1 makes it the default)"),
     EngineOption("cuda_graph_batch_sizes", "cuda_graph_batch_sizes", tuple, CudaGraphConfig.batch_sizes,
-                 "batch sizes captured as CUDA graphs (larger batches run eagerly)"),
+                 "batch sizes captured as CUDA graphs; on a CPU, compiled steps cover batches up to the "
+                 "largest (larger batches run eagerly)"),
     EngineOption("seed", "seed", int, 0, "seeds the requests that bring no seed of their own"),
     EngineOption("run_dir", "run_dir", str, "runs", "a local Ray cluster's session files and compile caches"),
     # KV cache.

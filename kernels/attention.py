@@ -22,11 +22,14 @@ from warpspec.kernels.dispatch import use_triton
 
 class PagedAttentionMetadata:
     def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                 block_size: int, max_query_len: int, max_seq_len: int, num_tokens: int | None = None):
+                 block_size: int, max_query_len: int, max_seq_len: int, num_tokens: int | None = None,
+                 is_uniform: bool = False):
         """query_start_loc [num_seqs + 1]; seq_lens [num_seqs] (tokens in cache, this step's
         included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]. num_tokens: the step's
         token count when the caller knows it (reading query_start_loc[-1] would wait for the GPU,
-        which a CUDA graph capture forbids)."""
+        which a CUDA graph capture forbids). is_uniform: every sequence has max_query_len new tokens,
+        so the queries reshape into [num_seqs, max_query_len] with no gather or boolean mask (whose
+        data-dependent shape a compiled step cannot keep in one graph)."""
         self.query_start_loc = query_start_loc
         self.query_lens = query_start_loc[1:] - query_start_loc[:-1]
         self.num_tokens = int(query_start_loc[-1]) if num_tokens is None else num_tokens
@@ -35,7 +38,7 @@ class PagedAttentionMetadata:
         self.block_size = block_size
         self.max_query_len = max_query_len
         self.max_seq_len = max_seq_len
-        self.is_decode = max_query_len == 1  # one query per sequence: no padding needed
+        self.is_uniform = is_uniform or max_query_len == 1  # one query per sequence is uniform too
         self._padded: dict[str, torch.Tensor] | None = None
         self.masks: dict[int | None, torch.Tensor] = {}
 
@@ -103,23 +106,51 @@ def paged_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, valu
                               meta: PagedAttentionMetadata, scale: float, chunk_size: int | None) -> torch.Tensor:
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     padded = meta.padded()
-    q = query[:, None] if meta.is_decode else query[padded["token_index"]]  # [num_seqs, max_q, heads, dim]
+    num_seqs = meta.seq_lens.shape[0]
+    # [num_seqs, max_q, heads, dim]
+    q = (query.view(num_seqs, meta.max_query_len, *query.shape[1:]) if meta.is_uniform
+         else query[padded["token_index"]])
     k = key_cache.view(-1, num_kv_heads, head_dim)[padded["slots"]]
     v = value_cache.view(-1, num_kv_heads, head_dim)[padded["slots"]]
     if batch_invariant.is_enabled():
         # Padded to the batch's longest context: in float64 the masked positions' exact zeros and
         # the order of the sums leave each row's rounded output as it would be alone.
         q, k, v = q.double(), k.double(), v.double()
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=meta.mask(chunk_size), scale=scale, enable_gqa=True)
-    out = out.transpose(1, 2).to(query.dtype)
-    return out[:, 0] if meta.is_decode else out[padded["is_real_query"]]
+    if torch.compiler.is_compiling():
+        out = _grouped_attention(q, k, v, meta.mask(chunk_size), scale).to(query.dtype)
+    else:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=meta.mask(chunk_size), scale=scale, enable_gqa=True)
+        out = out.transpose(1, 2).to(query.dtype)
+    return out.flatten(0, 1) if meta.is_uniform else out[padded["is_real_query"]]
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """Softmax attention written out, for compiled steps: inductor fuses the mask, the softmax and
+    the head grouping into its loops over a context length it keeps symbolic (its fused SDPA
+    template is wrong for a symbolic context length in torch 2.13: NaN rows).
+
+    q [num_seqs, max_q, heads, dim]; k, v [num_seqs, max_seq, kv_heads, dim]; mask [num_seqs, 1,
+    max_q, max_seq]. Query head h reads KV head h // (heads / kv_heads), as enable_gqa does."""
+    num_seqs, max_q, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    grouped = q.view(num_seqs, max_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bqkgd,bskd->bkgqs", grouped.float(), k.float()) * scale
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))  # [num_seqs, kv_heads, group, max_q, max_seq]
+    out = torch.einsum("bkgqs,bskd->bqkgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(num_seqs, max_q, num_heads, head_dim)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's key/value [num_tokens, num_kv_heads, head_dim] at their cache slots
-    (slot = block_id * block_size + offset)."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key
-    value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value
+    (slot = block_id * block_size + offset) of kv_cache [2, num_blocks, block_size, num_kv_heads,
+    head_dim], keys then values.
+
+    One indexed store into the whole cache tensor, not one into each half: a compiled step (see
+    workers/compiled_step.py) keeps a store into a graph input in place, but copies the whole cache
+    for a store into a view of it."""
+    block_size = kv_cache.shape[2]
+    kv_half = torch.arange(2, device=kv_cache.device)[:, None]  # [2, 1] against [1, num_tokens]
+    kv_cache.index_put_((kv_half, (slot_mapping // block_size)[None], (slot_mapping % block_size)[None]),
+                        torch.stack([key, value]).to(kv_cache.dtype))

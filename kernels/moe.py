@@ -53,6 +53,11 @@ def moe_experts(
 
         return moe_experts_triton(x, gate_up_proj, down_proj, expert_ids, scores, first_expert,
                                   gate_up_scale, down_scale)
+    if torch.compiler.is_compiling():
+        # The grouped reference sizes its expert slices from the routing (a host read): a compiled
+        # step would break its graph there, in every MoE layer.
+        return moe_experts_fixed_shape(x, gate_up_proj, down_proj, expert_ids, scores, first_expert,
+                                       gate_up_scale, down_scale)
     return moe_experts_reference(x, gate_up_proj, down_proj, expert_ids, scores, first_expert,
                                  gate_up_scale, down_scale)
 
@@ -104,3 +109,26 @@ def moe_experts_reference(x, gate_up_proj, down_proj, expert_ids, scores, first_
     if outputs:
         out.index_add_(0, tokens, torch.cat(outputs).to(x.dtype))  # bf16 under autocast in training
     return out
+
+
+def moe_experts_fixed_shape(x, gate_up_proj, down_proj, expert_ids, scores, first_expert=0,
+                            gate_up_scale=None, down_scale=None) -> torch.Tensor:
+    """The same sum with every shape fixed by the token count, for compiled steps: each (token,
+    choice) pair reads its expert's weights by index, with no host read of the routing. An expert of
+    another rank gets score 0, and SwiGLU without biases maps a zero input to an exact zero.
+
+    expert_ids [[2], [0]] on a rank holding experts 0..3: token 0 runs gate_up_proj[2], token 1
+    gate_up_proj[0]; each [1, hidden] @ [hidden, 2 * inter]."""
+    num_local = gate_up_proj.shape[0]
+    local_ids = expert_ids - first_expert
+    is_local = (local_ids >= 0) & (local_ids < num_local)
+    local_ids = local_ids.clamp(0, num_local - 1)
+    expert_in = x[:, None, :] * torch.where(is_local, scores, 0)[..., None]  # [num_tokens, k, hidden]
+    w_gate_up, w_down = gate_up_proj[local_ids], down_proj[local_ids]  # [num_tokens, k, in, out]
+    if gate_up_scale is not None:
+        w_gate_up = (w_gate_up.float() * gate_up_scale[local_ids].float()[..., None, :]).to(x.dtype)
+    if down_scale is not None:
+        w_down = (w_down.float() * down_scale[local_ids].float()[..., None, :]).to(x.dtype)
+    gate, up = (expert_in[..., None, :] @ w_gate_up).chunk(2, dim=-1)
+    out = (F.silu(gate) * up) @ w_down  # [num_tokens, k, 1, hidden]
+    return out[:, :, 0].sum(dim=1)

@@ -135,7 +135,7 @@ class Eagle3Draft(nn.Module):
         logits [num_tokens, draft_vocab] float32 and the pre-norm output [num_tokens, hidden]."""
         c = self.config
         q, k, v, residual = self.before_attention(token_ids, features, positions)
-        write_kv_cache(k, v, self.kv_cache[0], self.kv_cache[1], slot_mapping)
+        write_kv_cache(k, v, self.kv_cache, slot_mapping)
         attn = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, c.head_dim**-0.5, None)
         return self.after_attention(attn.reshape(attn.shape[0], -1), residual)
 

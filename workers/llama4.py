@@ -85,9 +85,8 @@ class Llama4Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, step: StepInput,
                 freqs_cis: torch.Tensor, attn_meta: PagedAttentionMetadata) -> torch.Tensor:
         q, k, v = self.project_qkv(positions, hidden, freqs_cis)
-        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        write_kv_cache(k, v, key_cache, value_cache, step.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, attn_meta, self.scale, self.chunk_size)
+        write_kv_cache(k, v, self.kv_cache, step.slot_mapping)
+        out = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, self.scale, self.chunk_size)
         return self.o_proj(out.reshape(hidden.shape[0], -1))
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
@@ -254,15 +253,18 @@ class Llama4ForCausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInput,
-                aux_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                aux_layer_ids: tuple[int, ...] = (),
+                attn_meta: PagedAttentionMetadata | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions [num_tokens] -> final normed hidden [num_tokens, hidden] and, for each
         layer id in aux_layer_ids (in the order given, repeats allowed), the residual stream ENTERING
         that layer [num_tokens, hidden] (EAGLE-3's features; id == num_layers: the stream before the
-        final norm)."""
+        final norm). attn_meta: the step's attention metadata when the caller built it (a compiled step
+        declares its queries uniform)."""
         freqs_cis = rope_freqs_cis(positions, self.inv_freq)
-        block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
-        attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
-                                           step.max_query_len, step.max_seq_len, num_tokens=input_ids.shape[0])
+        if attn_meta is None:
+            block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
+            attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
+                                               step.max_query_len, step.max_seq_len, num_tokens=input_ids.shape[0])
         # The embedding is a partial sum over vocabulary shards; layer 0's input norm reduces it.
         hidden, residual = self.model.embed_tokens(input_ids), None
         captured: dict[int, torch.Tensor] = {}

@@ -12,6 +12,7 @@ from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator
+from warpspec.workers.compiled_step import CompiledStepRunner
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.loader import load_model
@@ -38,9 +39,10 @@ class ModelRunner:
                  cache_config: CacheConfig | None = None, device: str | torch.device = "cpu",
                  comm: Communicator | None = None, cuda_graphs: CudaGraphConfig | None = None,
                  quantization: str | None = None, moe_parallel: str = "tensor", deterministic: bool = False):
-        """cuda_graphs: capture decode/verify steps on CUDA devices (ignored elsewhere, and when the
-        torch references run: WARPSPEC_KERNELS=reference or no Triton). deterministic: run (and
-        capture) every step in kernels/batch_invariant.py's mode."""
+        """cuda_graphs: the decode/verify step shapes to capture as CUDA graphs on CUDA devices (not
+        when the torch references run there: WARPSPEC_KERNELS=reference or no Triton), or to run
+        torch.compile'd on the CPU (workers/compiled_step.py); None runs every step eagerly.
+        deterministic: run (and capture) every step in kernels/batch_invariant.py's mode."""
         self.device = torch.device(device)
         self.deterministic = deterministic
         self.cache_config = cache_config or CacheConfig()
@@ -54,17 +56,27 @@ class ModelRunner:
         # The references read values back to the host (a capture forbids it): graphs need Triton.
         use_graphs = (cuda_graphs is not None and self.device.type == "cuda" and kernel_mode() != "reference"
                       and triton_available())
-        # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
-        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
+        # On the CPU the same steps run compiled instead. Deterministic mode stays eager: its float64
+        # weight copies are made on first use, a side effect a compiled graph would not keep.
+        # Over several ranks the gloo collectives split the graph twice per layer: measured on the
+        # bundled pair over 2 workers, 114 s to compile and 0.64x the eager speed, so they stay eager.
+        use_compiled = (cuda_graphs is not None and self.device.type == "cpu" and kernel_mode() == "auto"
+                        and not deterministic and self.model.comm.world_size == 1)
+        # Both pad batches with sequences that write into one spare block past the engine's blocks.
+        num_spare = int(use_graphs or use_compiled)
+        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + num_spare,
                                            self.cache_config.block_size, self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        block_size = self.cache_config.block_size
         self.graph_runner = None
         if use_graphs:
-            block_size = self.cache_config.block_size
             with batch_invariant.deterministic(deterministic):
                 self.graph_runner = CudaGraphRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
                                                     max_blocks=-(-cuda_graphs.max_model_len // block_size),
                                                     block_size=block_size, device=self.device)
+        elif use_compiled:
+            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
+                                                   block_size=block_size)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.persistent_batch import PersistentBatch, StepDelta
@@ -31,6 +32,7 @@ class WorkerConfig:
     quantization: str | None = None  # None or "fp8" (see workers/quantization.py)
     moe_parallel: str = "tensor"  # routed experts split by width ("tensor") or whole ("expert")
     deterministic: bool = False  # batch-invariant steps (kernels/batch_invariant.py)
+    run_dir: str = "runs"  # compiled steps' cache lives under it
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ShardWorker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        use_compile_cache(config.run_dir)
         self.comm = make_communicator(config.comm)
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
                                   cuda_graphs=config.cuda_graphs, quantization=config.quantization,

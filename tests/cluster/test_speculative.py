@@ -41,12 +41,18 @@ def reference(target):
         return llm.generate(_prompts(), GREEDY)
 
 
-def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, reference):
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, reference, enforce_eager):
+    """Compiled: the target's decode and k+1-token verification steps run compiled."""
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=3,
-             block_size=4, max_num_batched_tokens=24) as llm:
+             block_size=4, max_num_batched_tokens=24, enforce_eager=enforce_eager) as llm:
         outs = llm.generate(_prompts(), GREEDY)
         stats = llm.engine.spec_stats
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        graph_runner = llm.engine.executor.runner.graph_runner
+        assert (graph_runner is None) == enforce_eager
+        if graph_runner is not None:
+            assert graph_runner.num_compiles == 2  # decode and verification, each once
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert all("acceptance_length" in o.metrics for o in outs)
@@ -86,10 +92,11 @@ def scripted(reference, error_rate: float) -> ScriptedProposer:
                             dict(zip(ids, map(len, _prompts()), strict=True)), error_rate)
 
 
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
-def test_accepts_and_rollbacks_keep_greedy_output_exact(target, reference, error_rate):
+def test_accepts_and_rollbacks_keep_greedy_output_exact(target, reference, error_rate, enforce_eager):
     with LLM(str(target), dtype="float32", num_speculative_tokens=4, block_size=4,
-             proposer=scripted(reference, error_rate)) as llm:
+             proposer=scripted(reference, error_rate), enforce_eager=enforce_eager) as llm:
         outs = llm.generate(_prompts(), GREEDY)
         stats = llm.engine.spec_stats
         manager = llm.engine.block_manager

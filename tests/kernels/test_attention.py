@@ -29,8 +29,8 @@ def dense_reference(q, k, v, num_cached: int, chunk_size: int | None) -> torch.T
 def test_ragged_batch_matches_dense(chunk_size, heads, kv_heads):
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
     block_size, num_blocks, d = 4, 64, 8
-    key_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
-    value_cache = torch.zeros_like(key_cache)
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, d)
+    key_cache, value_cache = kv_cache
     # (already cached, new this step): a fresh prefill, a decode exactly at a block boundary,
     # a 4-token verification crossing a boundary, a one-token prompt.
     shapes = [(0, 11), (8, 1), (6, 4), (0, 1)]
@@ -42,7 +42,7 @@ def test_ragged_batch_matches_dense(chunk_size, heads, kv_heads):
         k = torch.randn(seq_len, kv_heads, d, generator=gen)
         v = torch.randn(seq_len, kv_heads, d, generator=gen)
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
-        write_kv_cache(k, v, key_cache, value_cache, slots)
+        write_kv_cache(k, v, kv_cache, slots)
         q = torch.randn(q_len, heads, d, generator=gen)
         seqs.append((num_cached, table, k, v, q))
         queries.append(q)
@@ -60,7 +60,7 @@ def test_ragged_batch_matches_dense(chunk_size, heads, kv_heads):
 
 
 def test_decode_batch_matches_dense():
-    """One query per sequence takes the decode path (no query padding)."""
+    """One query per sequence takes the uniform path (no query padding)."""
     gen = torch.Generator().manual_seed(5)
     block_size, heads, kv_heads, d = 4, 4, 2, 8
     key_cache = torch.randn(16, block_size, kv_heads, d, generator=gen)
@@ -69,7 +69,7 @@ def test_decode_batch_matches_dense():
     block_tables = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
     q = torch.randn(3, heads, d, generator=gen)
     meta = PagedAttentionMetadata(torch.arange(4), torch.tensor(seq_lens), block_tables, block_size, 1, 9)
-    assert meta.is_decode
+    assert meta.is_uniform
     out = paged_attention(q, key_cache, value_cache, meta, 1 / math.sqrt(d), chunk_size=4)
     for i, (n, table) in enumerate(zip(seq_lens, tables, strict=True)):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])

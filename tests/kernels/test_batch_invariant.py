@@ -46,15 +46,15 @@ def _paged_sequences(dtype, lengths, gen, block_size=4, kv_heads=2, d=32):
     """A cache holding sequences of the given lengths in shuffled blocks; returns the caches and each
     sequence's block table."""
     num_blocks = sum(-(-n // block_size) for n in lengths) + 4
-    key_cache = torch.zeros(num_blocks, block_size, kv_heads, d, dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, d, dtype=dtype)
+    key_cache, value_cache = kv_cache
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for n in lengths:
         table = [free.pop() for _ in range(-(-n // block_size))]
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
         write_kv_cache(torch.randn(n, kv_heads, d, generator=gen).to(dtype),
-                       torch.randn(n, kv_heads, d, generator=gen).to(dtype), key_cache, value_cache, slots)
+                       torch.randn(n, kv_heads, d, generator=gen).to(dtype), kv_cache, slots)
         tables.append(table)
     return key_cache, value_cache, tables
 

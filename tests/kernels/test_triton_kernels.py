@@ -66,6 +66,8 @@ def paged_batch(gen, shapes, heads, kv_heads, head_dim, block_size, dtype):
     num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 3
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)  # stale data
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    kv_cache = torch.stack([key_cache, value_cache])
+    key_cache, value_cache = kv_cache
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for num_cached, q_len in shapes:
@@ -74,7 +76,7 @@ def paged_batch(gen, shapes, heads, kv_heads, head_dim, block_size, dtype):
         slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
         k = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(seq_len, kv_heads, head_dim, generator=gen).to(dtype)
-        write_kv_cache(k, v, key_cache, value_cache, slots)
+        write_kv_cache(k, v, kv_cache, slots)
         tables.append(table)
     block_tables = torch.zeros(len(shapes), max(map(len, tables)) + 1, dtype=torch.int32)  # a spare column
     for row, table in enumerate(tables):

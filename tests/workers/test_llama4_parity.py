@@ -80,9 +80,10 @@ def test_prompt_logprobs_match_transformers_at_every_position(checkpoint):
             assert abs(logprob.logprob - expected[position - 1, token].item()) < 1e-4
 
 
-def test_greedy_generation_matches_transformers(checkpoint):
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
+def test_greedy_generation_matches_transformers(checkpoint, enforce_eager):
     reference = load_reference(checkpoint)
-    with LLM(str(checkpoint), dtype="float32", block_size=4) as llm:
+    with LLM(str(checkpoint), dtype="float32", block_size=4, enforce_eager=enforce_eager) as llm:
         for seed in (2, 3):
             prompt = _prompt(seed)
             out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))[0]

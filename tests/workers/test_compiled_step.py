@@ -1,0 +1,107 @@
+"""Compiled CPU steps: which steps run compiled, that they compute what the eager step computes (KV
+cache included), and that a generation compiles its step once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_checkpoints import make_text_checkpoint
+from warpspec import LLM, SamplingParams
+from warpspec.workers.compiled_step import CompiledStepRunner
+from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.runner import ModelRunner
+from warpspec.workers.step import SequenceStep, StepInput
+
+BLOCK = 4
+SHAPES = CudaGraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 4), max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    # Top-2 routing over every layer's experts, chunked attention shorter than the contexts used.
+    return make_text_checkpoint(tmp_path_factory.mktemp("compiled"), interleave_moe_layer_step=1,
+                                num_experts_per_tok=2, attention_chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def runners(checkpoint):
+    """(eager, compiled) runners over the same weights and equally sized caches."""
+    cache = CacheConfig(block_size=BLOCK, num_blocks=24)
+    eager = ModelRunner(checkpoint, "float32", cache)
+    compiled = ModelRunner(checkpoint, "float32", cache, cuda_graphs=SHAPES)
+    assert isinstance(compiled.graph_runner, CompiledStepRunner)
+    return eager, compiled
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    return [torch.randint(3, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def _tables(lengths: list[int], new_tokens: int) -> list[list[int]]:
+    """Disjoint blocks covering each sequence after new_tokens more: [9, 2] + 1 -> [[0, 1, 2], [3]]."""
+    tables, next_block = [], 0
+    for n in lengths:
+        num_blocks = -(-(n + new_tokens) // BLOCK)
+        tables.append(list(range(next_block, next_block + num_blocks)))
+        next_block += num_blocks
+    return tables
+
+
+def test_only_uniform_steps_within_the_shapes_run_compiled():
+    runner = CompiledStepRunner(model=None, config=SHAPES, pad_block=99, block_size=BLOCK)
+    decode = StepInput.build([SequenceStep([5], 3, [0], 0), SequenceStep([6], 7, [1, 2], 0)], BLOCK)
+    verify = StepInput.build([SequenceStep([5, 6, 7, 8], 3, [0, 1], 0)], BLOCK)
+    mixed = StepInput.build([SequenceStep([5], 3, [0], 0), SequenceStep([6, 7], 0, [1], 0)], BLOCK)
+    prefill_tail = StepInput.build([SequenceStep([5, 6], 0, [0], 1)], BLOCK)
+    odd_query = StepInput.build([SequenceStep([5, 6], 3, [0, 1], 0)], BLOCK)  # 2 tokens: not in query_lens
+    too_many = StepInput.build([SequenceStep([5], 3, [i], 0) for i in range(5)], BLOCK)  # beyond batch 4
+    too_long = StepInput.build([SequenceStep([5], 64, list(range(17)), 0)], BLOCK)  # past max_model_len
+    assert runner.batch_size(decode) == 2
+    assert runner.batch_size(verify) == 2  # one sequence runs beside a padding one (sizes of 1 specialize)
+    for step in (mixed, prefill_tail, odd_query, too_many, too_long):
+        assert runner.batch_size(step) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths,query_len", [([9], 1), ([9, 2, 14], 1), ([6, 11], 4)])
+def test_compiled_step_matches_the_eager_step_and_writes_the_same_cache(runners, lengths, query_len):
+    eager, compiled = runners
+    tables = _tables(lengths, query_len)
+    prompts = _prompts(lengths)
+    new_tokens = [p[-query_len:][::-1] for p in prompts]
+    outputs = []
+    for runner in (eager, compiled):
+        for cache in runner.kv_caches:
+            cache.zero_()
+        pointers = [cache.data_ptr() for cache in runner.kv_caches]
+        runner.execute(StepInput.build([SequenceStep(p, 0, t, 0) for p, t in zip(prompts, tables, strict=True)],
+                                       BLOCK))
+        step = StepInput.build([SequenceStep(n, len(p), t, 0)
+                                for p, t, n in zip(prompts, tables, new_tokens, strict=True)], BLOCK, [0, 1])
+        output = runner.execute(step)
+        assert [cache.data_ptr() for cache in runner.kv_caches] == pointers
+        outputs.append(output)
+    num_blocks = eager.num_blocks
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, atol=1e-5, rtol=1e-5)
+    for got, want in zip(outputs[1].aux_hidden, outputs[0].aux_hidden, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for got, want in zip(compiled.kv_caches, eager.kv_caches, strict=True):
+        torch.testing.assert_close(got[:, :num_blocks], want, atol=1e-5, rtol=1e-5)
+    assert compiled.graph_runner.num_compiles >= 1
+
+
+@pytest.mark.slow
+def test_a_long_generation_compiles_its_decode_step_once_and_emits_the_eager_tokens(checkpoint):
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    prompts = _prompts([5, 12, 30])
+    tokens = {}
+    for enforce_eager in (True, False):
+        with LLM(str(checkpoint), dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
+            tokens[enforce_eager] = [o.token_ids for o in llm.generate(prompts[:1], params)]
+            tokens[enforce_eager] += [o.token_ids for o in llm.generate(prompts, params)]
+            if not enforce_eager:
+                # 200 steps at batch 1, then 3 sequences finishing together: one graph for all.
+                assert llm.engine.executor.runner.graph_runner.num_compiles == 1
+    assert tokens[False] == tokens[True]
