@@ -62,9 +62,8 @@ class ModelRunner:
         # bundled pair over 2 workers, 114 s to compile and 0.64x the eager speed, so they stay eager.
         use_compiled = (cuda_graphs is not None and self.device.type == "cpu" and kernel_mode() == "auto"
                         and not deterministic and self.model.comm.world_size == 1)
-        # Both pad batches with sequences that write into one spare block past the engine's blocks.
-        num_spare = int(use_graphs or use_compiled)
-        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + num_spare,
+        # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
+        self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
                                            self.cache_config.block_size, self.dtype, self.device)
         self.model.bind_kv_cache(self.kv_caches)
         block_size = self.cache_config.block_size
@@ -75,8 +74,7 @@ class ModelRunner:
                                                     max_blocks=-(-cuda_graphs.max_model_len // block_size),
                                                     block_size=block_size, device=self.device)
         elif use_compiled:
-            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
-                                                   block_size=block_size)
+            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

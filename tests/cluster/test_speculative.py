@@ -52,7 +52,8 @@ def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, 
         graph_runner = llm.engine.executor.runner.graph_runner
         assert (graph_runner is None) == enforce_eager
         if graph_runner is not None:
-            assert graph_runner.num_compiles == 2  # decode and verification, each once
+            # At most decode and verification, each for one sequence and for more.
+            assert 0 < graph_runner.num_compiles <= 4
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert all("acceptance_length" in o.metrics for o in outs)

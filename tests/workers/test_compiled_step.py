@@ -50,7 +50,7 @@ def _tables(lengths: list[int], new_tokens: int) -> list[list[int]]:
 
 
 def test_only_uniform_steps_within_the_shapes_run_compiled():
-    runner = CompiledStepRunner(model=None, config=SHAPES, pad_block=99, block_size=BLOCK)
+    runner = CompiledStepRunner(model=None, config=SHAPES, block_size=BLOCK)
     decode = StepInput.build([SequenceStep([5], 3, [0], 0), SequenceStep([6], 7, [1, 2], 0)], BLOCK)
     verify = StepInput.build([SequenceStep([5, 6, 7, 8], 3, [0, 1], 0)], BLOCK)
     mixed = StepInput.build([SequenceStep([5], 3, [0], 0), SequenceStep([6, 7], 0, [1], 0)], BLOCK)
@@ -58,10 +58,9 @@ def test_only_uniform_steps_within_the_shapes_run_compiled():
     odd_query = StepInput.build([SequenceStep([5, 6], 3, [0, 1], 0)], BLOCK)  # 2 tokens: not in query_lens
     too_many = StepInput.build([SequenceStep([5], 3, [i], 0) for i in range(5)], BLOCK)  # beyond batch 4
     too_long = StepInput.build([SequenceStep([5], 64, list(range(17)), 0)], BLOCK)  # past max_model_len
-    assert runner.batch_size(decode) == 2
-    assert runner.batch_size(verify) == 2  # one sequence runs beside a padding one (sizes of 1 specialize)
+    assert runner.runs_compiled(decode) and runner.runs_compiled(verify)
     for step in (mixed, prefill_tail, odd_query, too_many, too_long):
-        assert runner.batch_size(step) is None
+        assert not runner.runs_compiled(step)
 
 
 @pytest.mark.slow
@@ -99,9 +98,11 @@ def test_a_long_generation_compiles_its_decode_step_once_and_emits_the_eager_tok
     tokens = {}
     for enforce_eager in (True, False):
         with LLM(str(checkpoint), dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
+            graph_runner = llm.engine.executor.runner.graph_runner
             tokens[enforce_eager] = [o.token_ids for o in llm.generate(prompts[:1], params)]
+            if not enforce_eager:
+                assert graph_runner.num_compiles == 1  # 200 steps at batch 1 (the prefill runs eagerly)
             tokens[enforce_eager] += [o.token_ids for o in llm.generate(prompts, params)]
             if not enforce_eager:
-                # 200 steps at batch 1, then 3 sequences finishing together: one graph for all.
-                assert llm.engine.executor.runner.graph_runner.num_compiles == 1
+                assert graph_runner.num_compiles == 2  # and one graph for every batch of 2 or more
     assert tokens[False] == tokens[True]
