@@ -23,6 +23,7 @@ import torch
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import exponential_noise
+from warpspec.workers.compiled_step import CountingCompiler, mark_step_dynamic, widen_block_tables
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -31,9 +32,10 @@ class CompiledWithFallback:
     """torch.compile of a tensors-in, tensors-out function; if compiling or running the compiled
     code fails, warn once and run the function eagerly from then on."""
 
-    def __init__(self, fn, name: str):
+    def __init__(self, fn, name: str, compiled=None):
+        """compiled: fn compiled another way than with dynamic shapes throughout."""
         self.eager, self.name = fn, name
-        self.compiled = torch.compile(fn, dynamic=True)
+        self.compiled = compiled or torch.compile(fn, dynamic=True)
         self.failed = False
 
     def __call__(self, *args: torch.Tensor):
@@ -63,18 +65,39 @@ class Eagle3Proposer:
         self.target_ids = self.draft.to_target_ids(torch.arange(c.draft_vocab_size)).cpu()
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
+        self.decode_compiler: CountingCompiler | None = None
+        self.compiled_decode: CompiledWithFallback | None = None
         if compile and not deterministic:
             # The dense halves around attention take only tensors whose one varying size is the token
             # count, so one dynamic-shape graph serves every step.
             draft.before_attention = CompiledWithFallback(draft.before_attention, "the EAGLE-3 draft")
             draft.after_attention = CompiledWithFallback(draft.after_attention, "the EAGLE-3 draft")
+            if self.device.type == "cpu":
+                # The k - 1 steps after the catch-up run one token per request: on a CPU the whole
+                # step, attention included, is one compiled graph (workers/compiled_step.py).
+                self.decode_compiler = CountingCompiler(self._decode_forward)
+                self.compiled_decode = CompiledWithFallback(self._decode_forward, "the EAGLE-3 draft's decode step",
+                                                            compiled=self.decode_compiler)
 
     def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = StepInput.build(plan, self.block_size).to(self.device)
-        meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
-                                      step.max_query_len, step.max_seq_len)
-        logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
+        if self.compiled_decode is not None and step.max_query_len == 1:
+            block_tables = widen_block_tables(step.block_tables)
+            inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
+                      step.slot_mapping)
+            mark_step_dynamic(inputs, block_tables, len(plan))
+            logits, prenorm = self.compiled_decode(*inputs)
+        else:
+            meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
+                                          step.max_query_len, step.max_seq_len)
+            logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
         return logits[step.logits_indices], prenorm[step.logits_indices]
+
+    def _decode_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables, slot_mapping):
+        """One token per request, logits for each: the draft's whole step."""
+        meta = PagedAttentionMetadata(query_start_loc, seq_lens, block_tables, self.block_size, 1,
+                                      block_tables.shape[1] * self.block_size, num_tokens=input_ids.shape[0])
+        return self.draft(input_ids, features, positions, slot_mapping, meta)
 
     def _choose(self, logits: torch.Tensor, requests: list[DraftRequest],
                 step: int) -> tuple[list[int], torch.Tensor | None]:

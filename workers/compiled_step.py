@@ -40,6 +40,41 @@ def use_compile_cache(run_dir: str | Path) -> None:
 MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
 
 
+class CountingCompiler:
+    """torch.compile with inductor that counts the graphs it builds (tests hold a generation to
+    them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic) stay symbolic."""
+
+    def __init__(self, fn):
+        self.num_compiles = 0
+        self.compiled = torch.compile(fn, backend=self._inductor, dynamic=False)
+
+    def _inductor(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.num_compiles += 1
+        return compile_fx(graph_module, example_inputs)
+
+    def __call__(self, *args):
+        return self.compiled(*args)
+
+
+def widen_block_tables(block_tables: torch.Tensor) -> torch.Tensor:
+    """At least MIN_BLOCKS columns; the extra one is never read, as seq_lens end before it."""
+    if block_tables.shape[1] >= MIN_BLOCKS:
+        return block_tables
+    return F.pad(block_tables, (0, MIN_BLOCKS - block_tables.shape[1]))
+
+
+def mark_step_dynamic(per_batch: tuple[torch.Tensor, ...], block_tables: torch.Tensor, num_seqs: int) -> None:
+    """Keep a step's varying sizes symbolic: each first size of per_batch ([num_tokens, ...],
+    [num_seqs + 1], [num_seqs, ...]) grows with the batch, except for one sequence, whose sizes stay
+    fixed; the block count grows with the context."""
+    if num_seqs > 1:
+        for tensor in per_batch:
+            torch._dynamo.mark_dynamic(tensor, 0)
+    torch._dynamo.mark_dynamic(block_tables, 1)
+
+
 class CompiledStepRunner:
     """Runs uniform steps through torch.compile'd forwards; `run` returns None for any other step.
 
@@ -50,14 +85,11 @@ class CompiledStepRunner:
         self.config = config
         self.block_size = block_size
         self.max_blocks = -(-config.max_model_len // block_size)
-        self.num_compiles = 0  # graphs inductor built, for tests that hold a generation to them
-        self._compiled = torch.compile(self._forward, backend=self._counting_inductor, dynamic=False)
+        self.compiled = CountingCompiler(self._forward)
 
-    def _counting_inductor(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        self.num_compiles += 1
-        return compile_fx(graph_module, example_inputs)
+    @property
+    def num_compiles(self) -> int:
+        return self.compiled.num_compiles
 
     def runs_compiled(self, step: StepInput) -> bool:
         q = uniform_query_len(step)
@@ -70,18 +102,11 @@ class CompiledStepRunner:
         """step on the host; its (logits, aux hidden), or None to run it eagerly."""
         if not self.runs_compiled(step):
             return None
-        block_tables = step.block_tables
-        if block_tables.shape[1] < MIN_BLOCKS:  # the extra column is never read: seq_lens end before it
-            block_tables = F.pad(block_tables, (0, MIN_BLOCKS - block_tables.shape[1]))
+        block_tables = widen_block_tables(step.block_tables)
         inputs = (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                   step.slot_mapping)
-        # [num_tokens], [num_seqs + 1], [num_seqs, num_blocks]: each first size varies with the batch
-        # (one sequence keeps its sizes fixed), and the block count with the context.
-        if step.seq_lens.shape[0] > 1:
-            for tensor in inputs:
-                torch._dynamo.mark_dynamic(tensor, 0)
-        torch._dynamo.mark_dynamic(block_tables, 1)
-        return self._compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids))
+        mark_step_dynamic(inputs, block_tables, step.seq_lens.shape[0])
+        return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids))
 
     def _forward(self, input_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
                  query_len: int, aux_layer_ids: tuple[int, ...]):
