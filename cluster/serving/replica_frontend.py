@@ -103,17 +103,24 @@ class ReplicaFrontend:
         sent_at = -float("inf")
         try:
             while True:
-                if next_output is None:
-                    next_output = asyncio.ensure_future(outputs.__anext__())
-                # Tokens held only for the gap go out when it ends, even if no new token comes.
-                wait_s = max(0.0, sent_at + self.stream_gap_s - loop.time()) if held else None
-                done, _ = await asyncio.wait({next_output}, timeout=wait_s)
-                if not done:
-                    yield _merge_deltas(held)
-                    held, sent_at = [], loop.time()
-                    continue
                 try:
-                    out = next_output.result()
+                    if held:  # tokens held only for the gap go out when it ends, even if no new token comes
+                        if next_output is None:
+                            next_output = asyncio.ensure_future(outputs.__anext__())
+                        wait_s = max(0.0, sent_at + self.stream_gap_s - loop.time())
+                        done, _ = await asyncio.wait({next_output}, timeout=wait_s)
+                        if not done:
+                            yield _merge_deltas(held)
+                            held, sent_at = [], loop.time()
+                            continue
+                        out = next_output.result()
+                    elif next_output is not None:  # still pending from before the gap ended
+                        out = await next_output
+                    else:
+                        # Awaited in this task, not through a future: the output reaches this stream in
+                        # the same turn of the event loop as the engine hands it on, so a stream keeps up
+                        # with steps (the engine yields one turn between them) and pays no task per output.
+                        out = await outputs.__anext__()
                 except StopAsyncIteration:
                     break
                 next_output = None
