@@ -1,9 +1,10 @@
 """`warpspec bench compare`: the headline comparison on the bundled model pair, in one run, same
 prompts (held-out documentation excerpts) and output lengths: transformers `generate` greedy,
 transformers assisted generation by prompt lookup (k=3), warpspec without speculation and with EAGLE-3,
-on 1 and 2 workers, at batch 1 and 8. Tokens/s per user and ratios to transformers' greedy; Markdown,
-JSON and a PNG bar chart under runs/bench/. Every configuration runs greedy, so all of them must emit
-the same tokens (checked, and reported).
+on 1 and 2 workers, at batch 1 and 8. Where warpspec compiles its steps (one rank on a CPU) it also
+runs with enforce_eager, side by side. Tokens/s per user, ratios to transformers' greedy, and the
+draft's share of step time; Markdown, JSON and a PNG bar chart under runs/bench/. Every
+configuration runs greedy, so all of them must emit the same tokens (checked, and reported).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from warpspec.sampling_params import SamplingParams
 
 HF_GREEDY = "transformers greedy"
 HF_LOOKUP = "transformers prompt lookup (k=3)"
+EAGER = " eager"  # "warpspec eager": enforce_eager=True
 
 
 def warpspec_runner(llm: LLM, new_tokens: int) -> Callable[[list[list[int]]], list[list[int]]]:
@@ -52,8 +55,8 @@ def timed(run: Callable, prompts: list[list[int]]) -> tuple[float, list[list[int
 
 def format_table(rows: list[dict], batches: list[int]) -> str:
     head = "| system | workers | " + " | ".join(f"batch {b}: tok/s per user | vs transformers" for b in batches)
-    lines = [head + " | acceptance length (batch 1) | same tokens as transformers |",
-             "|---|---|" + "---|---|" * len(batches) + "---|---|"]
+    lines = [head + " | acceptance length (batch 1) | draft share of step time (batch 1) | same tokens as "
+             "transformers |", "|---|---|" + "---|---|" * len(batches) + "---|---|---|"]
     for r in rows:
         cells = []
         for b in batches:
@@ -61,8 +64,10 @@ def format_table(rows: list[dict], batches: list[int]) -> str:
             ratio = r["ratio_to_transformers"].get(str(b))
             cells.append("n/a | n/a" if rate is None else f"{rate:.1f} | {ratio:.2f}x")
         accept = r.get("acceptance_length", {}).get("1")
+        share = r.get("draft_share", {}).get("1")
         lines.append(f"| {r['system']} | {r['workers'] or '-'} | " + " | ".join(cells)
-                     + f" | {'-' if accept is None else f'{accept:.2f}'} | {r['same_tokens']} |")
+                     + f" | {'-' if accept is None else f'{accept:.2f}'} | {'-' if share is None else f'{share:.0%}'}"
+                     f" | {r['same_tokens']} |")
     return "\n".join(lines)
 
 
@@ -118,11 +123,15 @@ def main(argv: list[str] | None = None) -> int:
         for workers in args.workers.split(","):
             # "1": in this process; "ray1": one worker through Ray (the coordinator's engine core); "2": two.
             num_workers, executor = int(workers.removeprefix("ray")), "ray" if workers.startswith("ray") else "auto"
-            for name, draft in (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)):
+            # One rank on a CPU compiles its steps by default: its eager run goes beside it.
+            modes = [("", False), (EAGER, True)] if num_workers == 1 else [("", False)]
+            for (mode, enforce_eager), (name, draft) in itertools.product(
+                    modes, (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft))):
                 llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
-                                              executor=executor, enable_prefix_caching=False))
-                systems.append({"system": name, "workers": workers, "llm": llm,
-                                "run": warpspec_runner(llm, args.new_tokens)})
+                                              executor=executor, enable_prefix_caching=False,
+                                              enforce_eager=enforce_eager, run_dir=args.run_dir))
+                systems.append({"system": name.replace("warpspec", "warpspec" + mode), "workers": workers,
+                                "llm": llm, "run": warpspec_runner(llm, args.new_tokens)})
         for s in systems:  # warm up (and compile the drafts) outside the measurement
             s["run"](prompts[:1])
         results = {s["system"] + str(s["workers"]): {} for s in systems}
@@ -138,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                     wall, tokens = timed(s["run"], batch_prompts)
                     key = s["system"] + str(s["workers"])
                     walls[key].append(wall)
-                    results[key][batch] = {"tokens": tokens, "acceptance_length":
-                                           s["llm"].engine.spec_stats.since(before).acceptance_length
-                                           if "llm" in s else None}
+                    spec = s["llm"].engine.spec_stats.since(before) if "llm" in s else None
+                    results[key][batch] = {"tokens": tokens,
+                                           "acceptance_length": spec.acceptance_length if spec else None,
+                                           "draft_share": spec.draft_share if spec else None}
             for key, values in walls.items():
                 if values:
                     results[key][batch]["tokens_per_s_per_user"] = args.new_tokens / sorted(values)[len(values) // 2]
@@ -155,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                                       for b, m in measured.items()},
             "acceptance_length": {str(b): m["acceptance_length"] for b, m in measured.items()
                                   if m["acceptance_length"]},
+            "draft_share": {str(b): m["draft_share"] for b, m in measured.items() if m["draft_share"]},
             "same_tokens": all(m["tokens"] == greedy[b]["tokens"] for b, m in measured.items()),
         })
     table = format_table(rows, batches)

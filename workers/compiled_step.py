@@ -33,8 +33,13 @@ from warpspec.workers.step import StepInput
 
 def use_compile_cache(run_dir: str | Path) -> None:
     """Keep inductor's compiled code under run_dir, so a restart loads it instead of compiling again
-    (unless the environment already names a cache)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(run_dir, "inductor").resolve()))
+    (unless the environment already names a cache). Inductor writes its own default into the
+    environment once anything in the process has compiled: that one does not count as named."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named is None or Path(named).resolve() == Path(default_cache_dir()).resolve():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir, "inductor").resolve())
 
 
 MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
