@@ -18,6 +18,10 @@ USER ray
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch>=2.6" \
  && pip install --no-cache-dir "cupy-cuda12x>=13" nvidia-nccl-cu12
 
+# Serve's proxies reach replicas over gRPC rather than Ray actor calls, with no 4 MiB cap on that
+# channel: what `warpspec serve` sets for the clusters it starts (serving/serve_cli.py, SERVE_ENVIRONMENT).
+ENV RAY_SERVE_PROXY_USE_GRPC=1 RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH=2147483647
+
 WORKDIR /home/ray/warpspec
 COPY --chown=ray:users . .
 # Pinning Ray to the image's own version keeps pip from replacing it while resolving "ray[serve]>=2.40".

@@ -31,6 +31,7 @@ from warpspec.async_llm import AsyncLLM
 from warpspec.benchmarks.throughput import make_prompts
 from warpspec.random_checkpoint import create_random_checkpoint
 from warpspec.sampling_params import SamplingParams
+from warpspec.serving.serve_config import ServeConfig
 
 # One request under load: (time to first token, time per output token after it, output tokens, the
 # inter-token latencies: for each message after the first, the time since the one before, as
@@ -117,16 +118,20 @@ def grpc_runner(stub, new_tokens: int) -> RunOne:
     return run_one
 
 
-def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, stream_gap_ms: float = 0.0) -> str:
+def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, stream_gap_ms: float = 0.0,
+                 run_dir: str = "runs") -> str:
     import ray
 
-    from warpspec.serving.serve_cli import start_serving
+    from warpspec.serving.serve_cli import set_serving_environment, start_serving
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    set_serving_environment()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Unix socket paths under the temp dir must stay short.
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-bench-"),
-             log_to_driver=False)
+    # Session files under the run folder, unless its path is too long for Ray's Unix sockets
+    # (107 bytes with the ~60 Ray adds).
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    parent = Path(run_dir).resolve() if len(str(Path(run_dir).resolve())) <= 40 else None
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir=parent)
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     import socket
 
     with socket.socket() as s:
@@ -192,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--stream-interval", type=int, default=1,
+    parser.add_argument("--stream-interval", type=int, default=ServeConfig.stream_interval,
                         help="the deployment's stream_interval: new tokens per streamed message at least")
-    parser.add_argument("--stream-gap-ms", type=float, default=0.0,
-                        help="the deployment's stream_gap_ms: at most one streamed message per this many ms")
+    parser.add_argument("--stream-gap-ms", type=float, default=ServeConfig.stream_gap_ms,
+                        help="the deployment's stream_gap_ms: at most one streamed message per this many ms "
+                             "(default: the deployment's, %(default)g)")
     parser.add_argument("--run-dir", default="runs")
     parser.add_argument("--autoscale", action="store_true",
                         help="instead: check that sustained load adds a second replica that takes traffic, "
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    target = _start_serve(model_dir, engine_args, args.stream_interval, args.stream_gap_ms)
+    target = _start_serve(model_dir, engine_args, args.stream_interval, args.stream_gap_ms, args.run_dir)
     try:
         runs = asyncio.run(_compare(model_dir, engine_args, target, vocab, args))
     finally:
@@ -236,15 +242,18 @@ def main(argv: list[str] | None = None) -> int:
                 "tpot_p50_added_pct": 100 * (served["tpot_ms_p50"] / local["tpot_ms_p50"] - 1),
                 "ttft_p50_added_ms": served["ttft_ms_p50"] - local["ttft_ms_p50"]}
     load = f"{args.rate:g} req/s open loop" if args.rate > 0 else f"{args.concurrency} concurrent streams"
+    # set_serving_environment() chose it unless the environment already had a value.
+    transport = "gRPC" if os.environ.get("RAY_SERVE_PROXY_USE_GRPC") == "1" else "Ray actor calls"
     report = {"load": load, "stream_interval": args.stream_interval, "stream_gap_ms": args.stream_gap_ms,
+              "proxy_to_replica": transport,
               "num_requests": args.num_requests,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows,
               "overhead": overhead}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "serve.json").write_text(json.dumps(report, indent=2))
     text = (f"Serving overhead, {load}, {args.num_requests} requests x {args.new_tokens} tokens, "
-            f"stream_interval {args.stream_interval}, stream_gap_ms {args.stream_gap_ms:g} "
-            f"(median of {args.repeats}):\n\n{_table(rows)}\n\n"
+            f"stream_interval {args.stream_interval}, stream_gap_ms {args.stream_gap_ms:g}, proxy to replica over "
+            f"{transport} (median of {args.repeats}):\n\n{_table(rows)}\n\n"
             f"serving path: {overhead['tokens_per_s_lost_pct']:.1f}% fewer tokens/s, "
             f"TPOT p50 {overhead['tpot_p50_added_pct']:+.1f}%, TTFT p50 {overhead['ttft_p50_added_ms']:+.1f} ms\n")
     (out_dir / "serve.md").write_text(text)

@@ -9,7 +9,6 @@ per-request figures, and stops everything it started.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,9 +82,9 @@ def run_demo(args: argparse.Namespace) -> None:
         raise ValueError(f"--requests must be in 1..{len(prompts)} (the bundled held-out prompts)")
 
     from warpspec.ray_env import connect_ray
-    from warpspec.serving.serve_cli import start_serving, stop_serving
+    from warpspec.serving.serve_cli import set_serving_environment, start_serving, stop_serving
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    set_serving_environment()
     started = time.perf_counter()
     connect_ray(args.run_dir)
     try:

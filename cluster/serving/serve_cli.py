@@ -23,6 +23,29 @@ from warpspec.engine_options import add_engine_flags, engine_options_from_flags
 from warpspec.serving.auth import API_KEY_ENV
 from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTIONS
 
+# What the processes of a Ray cluster that serves warpspec read from their environment. Set before
+# Ray starts (a local cluster's raylet hands it to every worker); a cluster started apart (ray start,
+# KubeRay) needs them in its own environment (the Dockerfile sets them).
+SERVE_ENVIRONMENT = {
+    # Serve's proxies reach replicas over gRPC instead of Ray actor calls: each streamed message and
+    # each request cost the proxy and the replica less CPU (bench serve, 8 streams: see the README).
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    # That channel's own message limit (4 MiB by default) would refuse requests the front ends accept
+    # (max_request_bytes) and large replies (many echoed prompts with logprobs); the public proxies
+    # and the replica's own checks bound what comes in.
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
+}
+
+
+def set_serving_environment(max_request_bytes: int | None = None) -> None:
+    """SERVE_ENVIRONMENT and, for the public gRPC proxy, its message limit (so that it refuses an
+    oversized message itself, before it is copied to a replica), unless already set."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for name, value in SERVE_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    if max_request_bytes is not None:
+        os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(max_request_bytes))
+
 
 def free_local_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a local deployment's proxies (tests, benchmarks)."""
@@ -125,10 +148,7 @@ def run_serve_command(ns: argparse.Namespace) -> None:
     from warpspec.serving.serve_config import ServeConfig
 
     config = ServeConfig.from_args(args)  # refuse bad args before any cluster is touched
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # A local cluster's processes inherit this: Serve's gRPC proxy then refuses oversized messages
-    # itself, before they are copied to a replica (default 2 GiB).
-    os.environ.setdefault("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", str(config.max_request_bytes))
+    set_serving_environment(config.max_request_bytes)
     connect_ray(args.get("run_dir", "runs"), include_dashboard=ns.dashboard)
     if config.auth is None:
         print(f"warpspec: no API key set (--api-key, --api-key-file or ${API_KEY_ENV}): anyone who reaches "

@@ -15,6 +15,11 @@ from pathlib import Path
 import pytest
 
 from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.serving.serve_cli import set_serving_environment
+
+# Before the session's Ray cluster starts (ray_cluster), so that its Serve processes run as `warpspec
+# serve`'s do: the proxies reach replicas over gRPC.
+set_serving_environment()
 
 MODEL_NAME = "tiny"
 # Small enough for 2 cores, long enough that a 400-token request outlives a 0.2 s deadline.

@@ -220,6 +220,14 @@ def test_extreme_but_valid_values_are_served(serving_stack, channel):
         assert reply.json()["usage"]["completion_tokens"] == 4
     reply = _call(channel, "Generate", _ids([5] * (MAX_MODEL_LEN - 1), max_tokens=1, temperature=1e-30))
     assert reply.usage.completion_tokens == 1  # max_model_len - 1 prompt tokens: the longest that fits
+    # A reply larger than the proxy-to-replica channel's default limit (4 MiB): 20 echoed prompts of
+    # 500 tokens with 20 logprobs each, ~450 bytes of JSON per position -> ~4.5 MB.
+    prompts = [[7 + i] * 500 for i in range(20)]
+    reply = requests.post(serving_stack.http_base + C, timeout=120, json=_completion(
+        prompt=prompts, echo=True, logprobs=20, max_tokens=1))
+    assert reply.status_code == 200, reply.text[:500]
+    assert len(reply.content) > 4 * MIB
+    assert [len(c["logprobs"]["token_logprobs"]) for c in reply.json()["choices"]] == [501] * 20
 
 
 def test_the_replica_still_serves_after_the_matrix(serving_stack, channel, reference_llm):

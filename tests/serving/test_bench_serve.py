@@ -11,12 +11,14 @@ import sys
 import pytest
 
 from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.serving.serve_config import ServeConfig
 
 
 @pytest.mark.slow
 def test_bench_serve_writes_its_side_by_side_table(tmp_path):
     model = create_random_checkpoint(tmp_path / "model", "tiny")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_SERVE_PROXY_USE_GRPC", None)  # the benchmark must set it itself
     done = subprocess.run([sys.executable, "-m", "warpspec.cli", "bench", "serve", "--model", str(model),
                            "--num-requests", "4", "--concurrency", "2", "--new-tokens", "4", "--repeats", "1",
                            "--run-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
@@ -26,3 +28,6 @@ def test_bench_serve_writes_its_side_by_side_table(tmp_path):
     assert [r["path"] for r in report["rows"]] == ["AsyncLLM in-process", "gRPC via Ray Serve"]
     assert all(r["tokens_per_s"] > 0 for r in report["rows"]) and "tokens_per_s_lost_pct" in report["overhead"]
     assert all(r["itl_ms_p99"] >= r["itl_ms_p50"] >= 0 for r in report["rows"])
+    # By default it measures what a deployment ships with: the same stream gap, proxies reaching
+    # replicas over gRPC (set_serving_environment).
+    assert report["stream_gap_ms"] == ServeConfig.stream_gap_ms and report["proxy_to_replica"] == "gRPC"

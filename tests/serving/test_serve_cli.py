@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from warpspec.client import GenerationClient
+from warpspec.serving.serve_cli import SERVE_ENVIRONMENT
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,8 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
     key = "sk-cli-test"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "WARPSPEC_API_KEY": key}
     env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", None)
+    for name in ("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", *SERVE_ENVIRONMENT):  # warpspec serve must set them itself
+        env.pop(name, None)
     process = subprocess.Popen([sys.executable, "-m", "warpspec.cli", "serve", "--model", str(serving_checkpoint),
                                 "--model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
                                 "--grpc-port", str(grpc_port), "--http-port", str(http_port),
@@ -67,6 +69,11 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
         listeners = {c.laddr.ip for c in psutil.net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == http_port}
         assert listeners == {"127.0.0.1"}
+        # Serve's proxy runs with the serving environment: it reaches the replica over gRPC.
+        proxies = [p for p in psutil.Process(process.pid).children(recursive=True)
+                   if "ProxyActor" in " ".join(p.cmdline())]
+        assert proxies and all(p.environ().get(name) == value for p in proxies
+                               for name, value in SERVE_ENVIRONMENT.items())
         # And the local cluster runs no dashboard.
         assert not any(c.status == psutil.CONN_LISTEN and c.laddr.port == 8265 for c in psutil.net_connections("tcp"))
     finally:
@@ -97,3 +104,13 @@ def test_warpspec_serve_refuses_a_replica_no_node_can_hold(serving_checkpoint):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "warpspec: error: a replica needs CPU 68, GPU 0 on one node" in done.stderr
     assert "no node is large enough" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_image_sets_the_serving_environment():
+    """Pods of the image run clusters that warpspec serve did not start: they get the same environment."""
+    from pathlib import Path
+
+    dockerfile = (Path(__file__).resolve().parents[2] / "Dockerfile").read_text()
+    env = dict(item.split("=", 1) for line in dockerfile.splitlines() if line.startswith("ENV ")
+               for item in line.split()[1:])
+    assert {name: env.get(name) for name in SERVE_ENVIRONMENT} == SERVE_ENVIRONMENT
