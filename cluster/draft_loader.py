@@ -28,10 +28,11 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
     if embed_tokens is None:
         embed_tokens = read_checkpoint_tensor(config.model, "model.embed_tokens.weight", model_config).to(dtype)
     draft = load_eagle3(spec.draft, model_config, embed_tokens, dtype, spec.aux_layer_offset)
-    if spec.compile_draft:
+    compile_draft = spec.compile_draft and not config.enforce_eager  # enforce_eager: every step eager
+    if compile_draft:
         use_compile_cache(config.run_dir)
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
-                          compile=spec.compile_draft, deterministic=config.deterministic)
+                          compile=compile_draft, deterministic=config.deterministic)
 
 
 def draft_device(target_device: str) -> torch.device:

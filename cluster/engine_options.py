@@ -53,7 +53,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("deterministic", "deterministic", bool, False,
                  "batch-invariant steps: a request's tokens depend neither on the others nor on speculation"),
     EngineOption("enforce_eager", "enforce_eager", bool, False,
-                 "run every step eagerly: no CUDA graphs, no compiled CPU steps "
+                 "run every step eagerly: no CUDA graphs, no compiled CPU steps, no compiled draft "
                  "(WARPSPEC_ENFORCE_EAGER=1 makes it the default)"),
     EngineOption("cuda_graph_batch_sizes", "cuda_graph_batch_sizes", tuple, CudaGraphConfig.batch_sizes,
                  "batch sizes captured as CUDA graphs; on a CPU, compiled steps cover batches up to the "
@@ -98,7 +98,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("aux_layer_offset", "speculative.aux_layer_offset", int, SpeculativeConfig.aux_layer_offset,
                  "1 for drafts whose aux layer ids follow SGLang's convention"),
     EngineOption("compile_draft", "speculative.compile_draft", bool, SpeculativeConfig.compile_draft,
-                 "torch.compile the draft's dense parts"),
+                 "torch.compile the draft: its dense parts, and on a CPU its single-token steps whole"),
     EngineOption("coupled_verification", "speculative.coupled_verification", bool,
                  SpeculativeConfig.coupled_verification,
                  "sampled requests verified by Gumbel-max coupling: a seeded request's tokens as without the draft"),

@@ -191,13 +191,20 @@ def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
 
 @pytest.mark.slow
 def test_compiled_draft_is_still_lossless(target, draft, reference):
-    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3) as llm:
+    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3, enforce_eager=False) as llm:
         outs = llm.generate(_prompts(), GREEDY)
         proposer = llm.engine.proposer
         assert not proposer.draft.before_attention.failed  # it really ran compiled
         # The single-token draft steps ran as one graph each for one request and for more.
         assert not proposer.compiled_decode.failed and 0 < proposer.decode_compiler.num_compiles <= 2
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+
+
+def test_enforce_eager_leaves_the_draft_uncompiled(target, draft):
+    with LLM(str(target), dtype="float32", draft=str(draft), enforce_eager=True, compile_draft=True) as llm:
+        proposer = llm.engine.proposer
+        assert proposer.compiled_decode is None
+        assert not hasattr(proposer.draft.before_attention, "compiled")
 
 
 class SkewedProposer:
