@@ -11,7 +11,13 @@ from warpspec.kernels.norm import l2_norm
 
 def apply_rope_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, num_heads, head_dim]; freqs_cis: [num_tokens, head_dim // 2] complex64
-    (complex128 in deterministic mode, workers/rope.rope_freqs_cis)."""
+    (complex128 in deterministic mode, workers/rope.rope_freqs_cis), or the same rotations as real
+    (cos, sin) pairs [num_tokens, head_dim // 2, 2] in a compiled step."""
+    if not freqs_cis.is_complex():  # (x0 + i x1)(cos + i sin), written out
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        cos, sin = freqs_cis[:, None, :, 0], freqs_cis[:, None, :, 1]
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2).type_as(x)
     float_type = torch.float64 if freqs_cis.dtype == torch.complex128 else torch.float32
     x_complex = torch.view_as_complex(x.to(float_type).reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(x_complex * freqs_cis[:, None, :]).flatten(-2).type_as(x)

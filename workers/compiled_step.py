@@ -46,11 +46,14 @@ MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
 
 
 class CountingCompiler:
-    """torch.compile with inductor that counts the graphs it builds (tests hold a generation to
-    them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic) stay symbolic."""
+    """torch.compile with inductor that counts the graphs it builds and the calls it serves (tests
+    hold a generation to them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic)
+    stay symbolic. A graph another instance built for the same code, with every guard passing (a
+    model of the same shapes), serves this one too without counting as a compile here."""
 
     def __init__(self, fn):
         self.num_compiles = 0
+        self.num_calls = 0
         self.compiled = torch.compile(fn, backend=self._inductor, dynamic=False)
 
     def _inductor(self, graph_module, example_inputs):
@@ -60,6 +63,7 @@ class CountingCompiler:
         return compile_fx(graph_module, example_inputs)
 
     def __call__(self, *args):
+        self.num_calls += 1
         return self.compiled(*args)
 
 
@@ -95,6 +99,10 @@ class CompiledStepRunner:
     @property
     def num_compiles(self) -> int:
         return self.compiled.num_compiles
+
+    @property
+    def num_compiled_steps(self) -> int:
+        return self.compiled.num_calls
 
     def runs_compiled(self, step: StepInput) -> bool:
         q = uniform_query_len(step)

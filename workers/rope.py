@@ -38,4 +38,8 @@ def rope_freqs_cis(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Ten
     ulp, and which path an element takes depends on the batch's size)."""
     angles = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
     angles = angles.to(float_dtype(angles))
+    if torch.compiler.is_compiling():
+        # Inductor generates no code for complex tensors (it would run them op by op): a compiled
+        # step takes the rotations as real (cos, sin) pairs, [num_tokens, head_dim // 2, 2].
+        return torch.stack([angles.cos(), angles.sin()], dim=-1)
     return torch.polar(torch.ones_like(angles), angles)

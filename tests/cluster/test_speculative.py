@@ -53,7 +53,7 @@ def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, 
         assert (graph_runner is None) == enforce_eager
         if graph_runner is not None:
             # At most decode and verification, each for one sequence and for more.
-            assert 0 < graph_runner.num_compiles <= 4
+            assert graph_runner.num_compiled_steps > 0 and graph_runner.num_compiles <= 4
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert all("acceptance_length" in o.metrics for o in outs)
@@ -196,7 +196,8 @@ def test_compiled_draft_is_still_lossless(target, draft, reference):
         proposer = llm.engine.proposer
         assert not proposer.draft.before_attention.failed  # it really ran compiled
         # The single-token draft steps ran as one graph each for one request and for more.
-        assert not proposer.compiled_decode.failed and 0 < proposer.decode_compiler.num_compiles <= 2
+        assert not proposer.compiled_decode.failed and proposer.decode_compiler.num_calls > 0
+        assert proposer.decode_compiler.num_compiles <= 2
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
 
 
