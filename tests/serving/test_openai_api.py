@@ -68,6 +68,10 @@ def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as error:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert "'gpt-4' is not served here" in error.value.message
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("gpt-4")
+    assert "'gpt-4' is not served here" in error.value.message
 
 
 @pytest.mark.parametrize("kwargs, field", [
