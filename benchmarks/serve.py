@@ -126,10 +126,10 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, s
 
     set_serving_environment()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Session files under the run folder, unless its path is too long for Ray's Unix sockets
-    # (107 bytes with the ~60 Ray adds).
+    # Session files under the run folder, unless its path is too long for Ray's Unix sockets: at most
+    # 107 bytes, of which "/ray-XXXXXXXX/session_<date>_<time>_<pid>/sockets/plasma_store" takes ~75.
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    parent = Path(run_dir).resolve() if len(str(Path(run_dir).resolve())) <= 40 else None
+    parent = Path(run_dir).resolve() if len(str(Path(run_dir).resolve())) <= 30 else None
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir=parent)
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     import socket
