@@ -68,10 +68,10 @@ class CountingCompiler:
 
 
 def widen_block_tables(block_tables: torch.Tensor) -> torch.Tensor:
-    """At least MIN_BLOCKS columns; the extra one is never read, as seq_lens end before it."""
-    if block_tables.shape[1] >= MIN_BLOCKS:
-        return block_tables
-    return F.pad(block_tables, (0, MIN_BLOCKS - block_tables.shape[1]))
+    """At least MIN_BLOCKS columns; the extra one is never read, as seq_lens end before it. Always a
+    new tensor: one made here (under inference mode) and one passed through would carry different
+    dispatch keys, and the compiled step would recompile on the difference."""
+    return F.pad(block_tables, (0, max(0, MIN_BLOCKS - block_tables.shape[1])))
 
 
 def mark_step_dynamic(per_batch: tuple[torch.Tensor, ...], block_tables: torch.Tensor, num_seqs: int) -> None:

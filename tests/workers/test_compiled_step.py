@@ -1,14 +1,17 @@
 """Compiled CPU steps: which steps run compiled, that they compute what the eager step computes (KV
-cache included), and that a generation compiles its step once."""
+cache included), and that the graphs are built at start-up and never again."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.workers.compiled_step import CompiledStepRunner
+from warpspec.workers.compiled_step import CompiledStepRunner, use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
@@ -92,20 +95,35 @@ def test_compiled_step_matches_the_eager_step_and_writes_the_same_cache(runners,
 
 
 @pytest.mark.slow
-def test_a_long_generation_compiles_its_decode_step_once_and_emits_the_eager_tokens(checkpoint):
+def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_tokens(checkpoint):
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     prompts = _prompts([5, 12, 30])
     tokens = {}
     for enforce_eager in (True, False):
         with LLM(str(checkpoint), dtype="float32", block_size=BLOCK, enforce_eager=enforce_eager) as llm:
             graph_runner = llm.engine.executor.runner.graph_runner
+            # Built at start-up: decode for one sequence and for more (none, when an earlier test's
+            # graphs for these shapes serve).
+            warm_compiles = graph_runner.num_compiles if graph_runner else 0
+            assert warm_compiles <= 2
             tokens[enforce_eager] = [o.token_ids for o in llm.generate(prompts[:1], params)]
-            if not enforce_eager:
-                # 199 decode steps at batch 1 (the prefill runs eagerly), one graph (or none, when an
-                # earlier test's graph for these shapes serves).
-                assert graph_runner.num_compiled_steps == 199 and graph_runner.num_compiles <= 1
             tokens[enforce_eager] += [o.token_ids for o in llm.generate(prompts, params)]
             if not enforce_eager:
-                # And one more graph for every batch of 2 or more.
-                assert graph_runner.num_compiled_steps == 2 * 199 and graph_runner.num_compiles <= 2
+                # 199 decode steps at batch 1 and 199 at batch 3 (prefills run eagerly), with no
+                # graph built after start-up.
+                assert graph_runner.num_compiled_steps == 2 + 2 * 199
+                assert graph_runner.num_compiles == warm_compiles
     assert tokens[False] == tokens[True]
+
+
+def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    use_compile_cache(tmp_path / "a")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "a" / "inductor").resolve())
+    # Inductor's own default, written once anything compiled, is not a choice: the run folder wins.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    use_compile_cache(tmp_path / "b")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "b" / "inductor").resolve())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    use_compile_cache(tmp_path / "c")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
