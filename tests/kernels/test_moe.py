@@ -70,3 +70,21 @@ def test_width_slices_sum_to_the_whole(world_size):
     parts = sum(moe_experts(x, *width_slice(gate_up, down, rank, world_size), expert_ids, scores)
                 for rank in range(world_size))
     torch.testing.assert_close(parts, whole, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("top_k,first_expert", [(1, 0), (2, 0), (2, 3)])
+def test_fixed_shape_experts_compute_the_grouped_reference(top_k, first_expert):
+    """The compiled steps' MoE (weights read by index) against the grouped one; first_expert 3: this
+    rank holds experts 3..5 of 8, so the others contribute nothing."""
+    from warpspec.kernels.moe import moe_experts_fixed_shape, moe_experts_reference
+
+    gen = torch.Generator().manual_seed(1)
+    num_local, hidden, inter = 3 if first_expert else 8, 16, 12
+    x = torch.randn(7, hidden, generator=gen)
+    gate_up = torch.randn(num_local, hidden, 2 * inter, generator=gen) * 0.2
+    down = torch.randn(num_local, inter, hidden, generator=gen) * 0.2
+    expert_ids, scores = route_topk_sigmoid(torch.randn(7, 8, generator=gen), top_k)
+    want = moe_experts_reference(x, gate_up, down, expert_ids, scores, first_expert)
+    got = moe_experts_fixed_shape(x, gate_up, down, expert_ids, scores, first_expert)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert want.abs().sum() > 0
