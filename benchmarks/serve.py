@@ -122,7 +122,7 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, s
                  run_dir: str = "runs") -> str:
     import ray
 
-    from warpspec.serving.serve_cli import set_serving_environment, start_serving
+    from warpspec.serving.serve_cli import free_local_port, set_serving_environment, start_serving
 
     set_serving_environment()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -132,14 +132,7 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, s
     parent = Path(run_dir).resolve() if len(str(Path(run_dir).resolve())) <= 30 else None
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir=parent)
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        http_port = s.getsockname()[1]
+    port, http_port = free_local_port(), free_local_port()
     start_serving({"model": str(model_dir), "num_cpus": REPLICA_CPUS, "stream_interval": stream_interval,
                    "stream_gap_ms": stream_gap_ms,
                    **engine_args}, grpc_port=port,

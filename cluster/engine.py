@@ -34,7 +34,6 @@ from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.sequence import Sequence
 from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
-from warpspec.workers.compiled_step import CompiledStepRunner
 from warpspec.workers.step import SequenceStep, StepPlan
 
 
@@ -65,23 +64,14 @@ class LLMEngine:
         self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.left_request_ids: list[str] = []  # finished or aborted since the executor last heard
         self.spec_stats = SpeculationStats()
-        self._warm_up_compiled_steps()
+        self._warm_up()
 
-    def _warm_up_compiled_steps(self) -> None:
-        """Build a one-rank CPU replica's compiled step graphs now, as CUDA-graph engines capture at
-        start-up, so that no request waits for them: decode, and verification with a draft, for one
-        sequence and for two. The steps write into the first blocks, which no request holds yet (a
-        position's KV is always written before it is read)."""
+    def _warm_up(self) -> None:
+        """Let a runner in this process build its compiled step graphs before the first request
+        (ModelRunner.warm_up; a no-op where nothing compiles)."""
         runner = getattr(self.executor, "runner", None)
-        compiled = getattr(runner, "graph_runner", None)
-        if not isinstance(compiled, CompiledStepRunner):
-            return
-        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
-        for query_len in compiled.config.query_lens:
-            table = list(range(-(-query_len // self.block_size)))
-            for num_seqs in (1, 2):
-                seqs = [SequenceStep([0] * query_len, 0, table, 0) for _ in range(num_seqs)]
-                runner.execute(StepPlan(seqs, self.block_size, aux_layer_ids).build())
+        if runner is not None:
+            runner.warm_up(list(self.proposer.aux_layer_ids) if self.proposer is not None else [])
 
     def _load_proposer(self) -> Proposer | None:
         if not self.config.speculative.enabled:

@@ -15,8 +15,8 @@ Shapes that would otherwise recompile the step:
 - block tables are widened to at least two blocks, for the same reason.
 
 So a replica needs at most two graphs per (query length, captured layers). The engine builds them
-when it starts (LLMEngine._warm_up_compiled_steps), and a generation then compiles nothing (counted
-in `num_compiles`; a test runs 2 x 199 decode steps).
+when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
+`num_compiles`; a test runs 2 x 199 decode steps).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from warpspec.kernels import PagedAttentionMetadata
 from warpspec.workers.cuda_graphs import CudaGraphConfig, uniform_query_len
-from warpspec.workers.step import StepInput
+from warpspec.workers.step import SequenceStep, StepInput
 
 
 def use_compile_cache(run_dir: str | Path) -> None:
@@ -121,6 +121,18 @@ class CompiledStepRunner:
                   step.slot_mapping)
         mark_step_dynamic(inputs, block_tables, step.seq_lens.shape[0])
         return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids))
+
+    def warm_up_steps(self, aux_layer_ids: list[int]) -> list[StepInput]:
+        """One step of every graph a replica needs: each query length, for one sequence and for two.
+        They write into the first blocks, which no request holds yet (a position's KV is always
+        written before it is read)."""
+        steps = []
+        for query_len in self.config.query_lens:
+            table = list(range(-(-query_len // self.block_size)))
+            for num_seqs in (1, 2):
+                seqs = [SequenceStep([0] * query_len, 0, table, 0) for _ in range(num_seqs)]
+                steps.append(StepInput.build(seqs, self.block_size, aux_layer_ids))
+        return steps
 
     def _forward(self, input_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
                  query_len: int, aux_layer_ids: tuple[int, ...]):

@@ -76,6 +76,13 @@ class ModelRunner:
         elif use_compiled:
             self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size)
 
+    def warm_up(self, aux_layer_ids: list[int]) -> None:
+        """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
+        request waits for them (CompiledStepRunner.warm_up_steps); nothing to do otherwise."""
+        if isinstance(self.graph_runner, CompiledStepRunner):
+            for step in self.graph_runner.warm_up_steps(aux_layer_ids):
+                self.execute(step)
+
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         with batch_invariant.deterministic(self.deterministic):
