@@ -1,12 +1,15 @@
 """The streaming engine front end for many concurrent users (the serving layer builds on it).
 
-Requests are added to and aborted from the engine as they come, on the event loop. One background
-task hands each step's outputs to each request's queue:
+Requests are added to and aborted from the engine as they come, on the event loop. The engine core
+emits token ids; an OutputProcessor here turns each step's deltas into outputs (text, stop strings)
+and hands each to its request's queue:
 - in-process (one local worker), it runs the engine's steps while anything is unfinished;
 - with Ray workers the engine core steps on its own in the coordinator: the requests added and
   aborted in one turn of the event loop go to it in one fire-and-forget message, and a reader
   thread (RemoteEngine.read_outputs) hands each step's reply to the loop. No blocking call runs on
   the event loop.
+A stop string found here aborts its request in the core: in-process at once, before the next step;
+with Ray workers in the next message, so the core may run it a step or two more, unseen.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from warpspec.config import EngineConfig
+from warpspec.core_messages import RequestDelta
 from warpspec.engine import Prompt, make_engine
 from warpspec.engine_options import engine_config
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
+from warpspec.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 
@@ -40,6 +45,7 @@ class AsyncLLM:
             raise TypeError("AsyncLLM(config) takes no options: they are the config's")
         self.config = config
         self.engine = make_engine(config)
+        self.output_processor = OutputProcessor(self.engine.tokenizer, self._abort_in_core)
         self.streams: dict[str, asyncio.Queue] = {}
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
@@ -98,12 +104,13 @@ class AsyncLLM:
             raise EngineError("the engine is being rebuilt after a failure; retry shortly")
         if request_id in self.streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
-        seq = self.engine.make_sequence(request_id, prompt, params)
+        request = self.engine.new_request(request_id, prompt, params)
         limit = self.config.scheduler.max_waiting_requests
         if self.engine.num_waiting >= limit:
             raise EngineOverloadedError(f"engine overloaded: {limit} requests already waiting "
                                         "(max_waiting_requests); retry later")
-        self.engine.add_sequence(seq)  # raises, with Ray workers, once the engine core is gone
+        self.engine.add_request(request)  # raises, with Ray workers, once the engine core is gone
+        self.output_processor.add(request)
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         self._wake()
@@ -120,13 +127,21 @@ class AsyncLLM:
                     return
         finally:
             self.streams.pop(request_id, None)
+            self.output_processor.abort(request_id)  # a no-op once finished; a failed one is forgotten too
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its KV blocks are released before the next step."""
         self.engine.abort(request_id)
+        self.output_processor.abort(request_id)
         self._wake()
+
+    def _abort_in_core(self, request_id: str) -> None:
+        """A stop string ended the request here: the core is told (its stream has its output already)."""
+        self.engine.abort(request_id)
+        if self.core_is_remote:
+            self._wake()  # the abort leaves with this turn's message
 
     def fail_all(self, error: BaseException) -> None:
         """End every stream in flight with error (each request is aborted, its KV blocks freed)."""
@@ -203,23 +218,24 @@ class AsyncLLM:
                 # other coroutines between steps. Run in a worker thread instead, it contends with the
                 # loop for the GIL and torch starts a second OpenMP pool: measured 1.5-1.7x slower
                 # steps on 2 cores (19 ms vs 11 ms per decode step at 32 requests).
-                outputs, failures = self.engine.step(), []
+                deltas, failures = self.engine.step(), []
             except StepFailedError as error:  # the engine aborted that step's requests; the rest go on
-                outputs, failures = [], [error]
+                deltas, failures = [], [error]
             except Exception as error:  # noqa: BLE001 - the model is broken: every waiting request must learn of it
-                outputs, failures = [], []
+                deltas, failures = [], []
                 self._fail_streams(error)
-            self._deliver_step(outputs, failures)
+            self._deliver_step(deltas, failures)
             await asyncio.sleep(0)  # let the streams and new requests in before the next step
 
-    def _deliver_step(self, outputs: list[RequestOutput], failures: list[StepFailedError], engine=None) -> None:
+    def _deliver_step(self, deltas: list[RequestDelta], failures: list[StepFailedError], engine=None) -> None:
         if engine is not None and engine is not self.engine:  # a reply from an engine replaced by rebuild()
             return
         for error in failures:
             logger.error("an engine step failed; its %d requests fail: %s", len(error.request_ids), error)
             for request_id in error.request_ids:
+                self.output_processor.abort(request_id)
                 self._deliver(request_id, error)
-        for out in outputs:
+        for out in self.output_processor.process(deltas):
             self._deliver(out.request_id, out)
 
     def _fail_streams(self, error: BaseException) -> None:

@@ -2,8 +2,9 @@
 driver worker), places ranks 1..N-1 as worker actors, joins them in one collective group, and runs
 the engine core (scheduler, KV blocks, sampling, verification, the EAGLE-3 draft) in a step loop of
 its own. Rank 0's logits and hidden states never leave this process. The replica sends the requests
-added and aborted whenever it has some, and reads each step's new tokens from one long-lived stream
-(core_messages.py); it makes no call per step.
+added and aborted whenever it has some, and reads each step's new token ids from one long-lived
+stream (core_messages.py); it makes no call per step, and it detokenizes and checks stop strings
+itself (output_processor.py): no text comes from here.
 
     replica (AsyncLLM / LLM)             coordinator = rank 0: run_core loop      ranks 1..N-1
     submit(CoreInput) ---fire&forget-->  inbox: aborts, then adds
@@ -11,7 +12,7 @@ added and aborted whenever it has some, and reads each step's new tokens from on
                                          rank 0's shard, in process <-collectives-> (no logits back)
                                          sample / verify_batch on rank 0's logits
                                          draft proposes the next k
-    next reply  <------- stream -------  StepReply: token ids, text, logprobs
+    next reply  <------- stream -------  StepReply: token ids, finish reasons, logprobs
 
 Plain class; `actors.CoordinatorActor` hosts it in a Ray actor (in bundle 0, with rank 0's GPU), the
 loop in a thread of its own. It creates its workers itself, so a replica is one coordinator handle
@@ -41,7 +42,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config import EngineConfig
 from warpspec.core_inbox import CoreInbox
-from warpspec.core_messages import CoreInput, RequestDelta, StepReply
+from warpspec.core_messages import CoreInput, StepReply
 from warpspec.engine import LLMEngine
 from warpspec.errors import PlacementError, StepFailedError, WorkerDiedError
 from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
@@ -179,15 +180,15 @@ class Coordinator:
         engine = self.engine
         start, last_timing = time.perf_counter(), self.timings[-1] if self.timings else None
         failures = [failure for message in messages for failure in self._apply(message)]
-        outputs = []
+        deltas = []
         if engine.has_unfinished():
             try:
-                outputs = engine.step()
+                deltas = engine.step()
             except StepFailedError as e:  # the engine dropped that step's requests and serves the rest
                 failures.append(e)
         elif not messages:
             return None
-        reply = StepReply([RequestDelta.of(out) for out in outputs], engine.stats(), engine.spec_stats,
+        reply = StepReply(deltas, engine.stats(), engine.spec_stats,
                           failures, time.monotonic())
         if self.timings and self.timings[-1] is not last_timing:  # this pass ran a step on the workers
             self.timings[-1].core_s = time.perf_counter() - start
@@ -199,7 +200,7 @@ class Coordinator:
         failures = []
         for request in message.adds:
             try:
-                self.engine.add_sequence(self.engine.sequence_of(request))
+                self.engine.add_request(request)
             except Exception as e:  # noqa: BLE001 - one request the core cannot take must not end the loop
                 failures.append(StepFailedError.caused_by([request.request_id], e))
         return failures

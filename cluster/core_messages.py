@@ -1,10 +1,12 @@
-"""What crosses between the replica and the engine core in the coordinator. In: the requests added
-and aborted (CoreInput), sent fire-and-forget whenever the replica has some. Out: one StepReply per
-core step, on one long-lived Ray stream, carrying each request's new tokens.
+"""What crosses between the front end and the engine core. In: the requests added and aborted
+(CoreInput), sent fire-and-forget whenever the replica has some. Out: one RequestDelta per request
+that gained tokens or finished in a step; with Ray workers, one StepReply per core step carries them
+on one long-lived Ray stream.
 
-A reply carries token ids, the new text, the requested logprobs and, once, what a request needs at
-its start (prompt logprobs) or end (full text, metrics): nothing of vocabulary or hidden size. The
-replica rebuilds full RequestOutputs from these deltas (remote_engine.OutputAssembler).
+A delta carries token ids, the core's finish reason (an eos or stop token, a length limit), the
+requested logprobs and, once, what a request needs at its start (prompt logprobs, the metrics known
+at the first token) or end (metrics): no text and nothing of vocabulary or hidden size. The front
+end detokenizes, checks stop strings and builds full RequestOutputs (output_processor.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import StepFailedError
-from warpspec.outputs import PositionLogprobs, RequestOutput
+from warpspec.outputs import PositionLogprobs
 from warpspec.requests import NewRequest
 from warpspec.spec_stats import SpeculationStats
 
@@ -30,25 +32,19 @@ class CoreInput:
 
 @dataclass
 class RequestDelta:
+    """What one step did to one request, as the engine core sees it (Sequence.take_delta)."""
     request_id: str
     new_token_ids: list[int]
-    new_text: str
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+    finish_reason: str | None = None  # "stop" (eos or a stop token) or "length"; stop strings are the front end's
+    stop_reason: int | None = None  # the stop token id
     new_logprobs: list[PositionLogprobs] | None = None  # one per new token, when requested
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the request's first delta
-    text: str | None = None  # the whole text, on the last delta (a stop string may cut streamed text)
-    metrics: dict[str, float] = field(default_factory=dict)  # on the last delta
+    metrics: dict[str, float] = field(default_factory=dict)  # on the first delta and the last
+    num_draft_tokens: int = 0  # drafts this step verified: new_token_ids holds the accepted ones plus one
 
-    @classmethod
-    def of(cls, out: RequestOutput) -> RequestDelta:
-        """The part of an engine output the replica has not seen yet."""
-        is_first = len(out.token_ids) == len(out.new_token_ids)
-        num_new = len(out.new_token_ids)
-        return cls(out.request_id, out.new_token_ids, out.new_text, out.finish_reason, out.stop_reason,
-                   None if out.logprobs is None else out.logprobs[len(out.logprobs) - num_new:],
-                   out.prompt_logprobs if is_first else None,
-                   out.text if out.finished else None, out.metrics)
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -1,14 +1,17 @@
-"""The engine loop, as one step: schedule, run the model, sample, append, finish.
+"""The engine core's loop, as one step: schedule, run the model, sample, append, finish.
 
     sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
     out = executor.execute(plan)      # the model: in-process, or the coordinator's workers
     tokens = sample(...) / verify_batch()  # one token, or the accepted drafts plus one, per sequence
-    append, detokenize, check stops   # finished requests leave and free their blocks at once
+    append, check eos / stop tokens / length  # finished requests leave and free their blocks at once
     proposer.propose(...)             # when speculating: the next step's draft tokens
 
-Both front ends drive it: LLM (blocking, a batch at a time) and AsyncLLM (streaming, many users).
-With one local worker it runs in their process; with Ray workers it runs inside the replica's
-coordinator actor (coordinator.py), and they drive it through remote_engine.RemoteEngine.
+A step returns token ids, never text: one RequestDelta per request that gained tokens or finished.
+Detokenization, stop strings and the outputs users see are the front end's (output_processor.py),
+which aborts a request here when a stop string ends it. The front ends: LLM (blocking, a batch at
+a time) and AsyncLLM (streaming, many users). With one local worker the core runs in their process;
+with Ray workers it runs inside the replica's coordinator actor (coordinator.py), and they drive it
+through remote_engine.RemoteEngine.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import torch
 
 from warpspec.block_manager import BlockManager
 from warpspec.config import EngineConfig
+from warpspec.core_messages import RequestDelta
 from warpspec.draft_loader import load_eagle3_proposer
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
 from warpspec.executor import make_executor
 from warpspec.keyed_random import KeyedRandom
-from warpspec.outputs import RequestOutput
+from warpspec.outputs import PositionLogprobs
 from warpspec.proposer import DraftRequest, Proposer
 from warpspec.rejection_sampler import verify_batch
 from warpspec.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
@@ -33,7 +37,7 @@ from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.sequence import Sequence
 from warpspec.spec_stats import SpeculationStats
-from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
+from warpspec.tokenizer import Tokenizer
 from warpspec.workers.step import SequenceStep, StepPlan
 
 
@@ -85,20 +89,22 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def make_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
         """Validate and tokenize a request without touching the batch."""
-        return self.sequence_of(self.validator.new_request(request_id, prompt, params))
+        return self.validator.new_request(request_id, prompt, params)
+
+    def add_request(self, request: NewRequest) -> None:
+        self.add_sequence(self.sequence_of(request))
+
+    def make_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
+        return self.sequence_of(self.new_request(request_id, prompt, params))
 
     def sequence_of(self, request: NewRequest) -> Sequence:
         """The engine's state for a request validated elsewhere (RequestValidator)."""
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
-                                                 request.params.skip_special_tokens)
         params = request.params
         seq = Sequence(request.request_id, request.prompt, list(request.prompt_token_ids), params,
-                       KeyedRandom(request.seed), detokenizer,
-                       logprobs=[] if params.logprobs is not None else None, arrival_time=request.arrival_here())
+                       KeyedRandom(request.seed), new_logprobs=[] if params.logprobs is not None else None,
+                       arrival_time=request.arrival_here())
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
         return seq
@@ -109,15 +115,15 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Drop a request now; its KV blocks are free before the next step. None if unknown."""
+    def abort(self, request_id: str) -> None:
+        """Drop a request now (a client gone, a stop string the front end found); its KV blocks are
+        free before the next step. Unknown ids are ignored: the request may have finished meanwhile."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
-            return None
+            return
         self.scheduler.remove(seq)
         self._release(request_id)
         seq.finish("abort")
-        return seq.to_output()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -135,9 +141,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one model step; returns an output for every request that gained tokens or finished,
-        carrying the new tokens and text as a delta.
+    def step(self) -> list[RequestDelta]:
+        """Run one model step; returns a delta for every request that gained tokens or finished.
 
         Raises EngineError when the workers are gone (every request is dropped: nothing can run), and
         StepFailedError for any other failure, after aborting only the requests this step ran."""
@@ -157,7 +162,7 @@ class LLMEngine:
                 self.abort(request_id)
             raise StepFailedError.caused_by(request_ids, e) from e
 
-    def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestOutput]:
+    def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestDelta]:
         now = time.perf_counter()
         plan = []
         for item in sched.scheduled:
@@ -184,7 +189,7 @@ class LLMEngine:
         num_rejected: dict[str, int] = {}
         outputs, finished = [], []
         now = time.perf_counter()
-        for item, tokens in zip(sched.scheduled, emitted, strict=True):
+        for item, (tokens, logprobs) in zip(sched.scheduled, emitted, strict=True):
             if tokens is None:
                 continue
             seq = item.seq
@@ -193,11 +198,16 @@ class LLMEngine:
                 accepted = len(tokens) - 1
                 num_rejected[seq.request_id] = len(item.draft_token_ids) - accepted
                 self._count_acceptance(seq, len(item.draft_token_ids), accepted)
+            num_appended = 0
             for token in tokens:
                 self._append_token(seq, token)
+                num_appended += 1
                 if seq.finish_reason is not None:
                     finished.append(seq)
                     break
+            if logprobs is not None:
+                # Only the tokens appended: an eos among the accepted drafts drops those after it.
+                seq.new_logprobs.extend(logprobs[:num_appended])
         self.scheduler.update_after_step(sched, num_rejected)
         for seq in finished:
             self.scheduler.remove(seq)
@@ -207,17 +217,17 @@ class LLMEngine:
             draft_start = time.perf_counter()
             self._propose(sched.scheduled, output.aux_hidden, num_rejected)
             self.spec_stats.draft_time_s += time.perf_counter() - draft_start
-        for item, tokens in zip(sched.scheduled, emitted, strict=True):
+        for item, (tokens, _) in zip(sched.scheduled, emitted, strict=True):
             if tokens is not None:
-                outputs.append(item.seq.to_output(*item.seq.take_delta()))
+                outputs.append(item.seq.take_delta(len(item.draft_token_ids) if item.samples else 0))
         self.spec_stats.step_time_s += time.perf_counter() - step_start
         return outputs
 
-    def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int],
-                       logits: torch.Tensor) -> list[list[int] | None]:
+    def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor,
+                       ) -> list[tuple[list[int] | None, list[PositionLogprobs] | None]]:
         """Per scheduled sequence: the tokens to append (one sampled token, or the verified drafts
-        plus the correction/bonus), or None when it is mid-prefill."""
-        emitted: list[list[int] | None] = [None] * len(scheduled)
+        plus the correction/bonus), or None when it is mid-prefill; and their logprobs when asked."""
+        emitted: list[tuple[list[int] | None, list[PositionLogprobs] | None]] = [(None, None)] * len(scheduled)
         plain = [i for i, item in enumerate(scheduled) if item.samples and not item.draft_token_ids]
         if plain:
             rows = [sample_rows[i] for i in plain]
@@ -226,8 +236,7 @@ class LLMEngine:
                             [s.num_tokens for s in seqs], [s.prompt_token_ids for s in seqs],
                             [s.output_token_ids for s in seqs]).tolist()
             for i, row, token in zip(plain, rows, tokens, strict=True):
-                emitted[i] = [token]
-                self._record_logprobs(scheduled[i].seq, logits[row : row + 1], [token])
+                emitted[i] = [token], self._logprobs(scheduled[i].seq, logits[row : row + 1], [token])
         verifying = [i for i, item in enumerate(scheduled) if item.samples and item.draft_token_ids]
         if verifying:
             seqs = [scheduled[i].seq for i in verifying]
@@ -236,8 +245,7 @@ class LLMEngine:
                                     [s.params for s in seqs], [s.random for s in seqs], [s.num_tokens for s in seqs],
                                     coupled=self.config.speculative.coupled_verification)
             for i, seq, tokens in zip(verifying, seqs, verified, strict=True):
-                emitted[i] = tokens
-                self._record_logprobs(seq, logits[sample_rows[i] : sample_rows[i] + len(tokens)], tokens)
+                emitted[i] = tokens, self._logprobs(seq, logits[sample_rows[i] : sample_rows[i] + len(tokens)], tokens)
         return emitted
 
     def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
@@ -316,9 +324,6 @@ class LLMEngine:
 
     # ---- bookkeeping after sampling -------------------------------------------------------------
 
-    def _decode_token(self, token_id: int) -> str | None:
-        return self.tokenizer.token_text(token_id) if self.tokenizer else None
-
     def _record_prompt_logprobs(self, item: ScheduledSequence, logits: torch.Tensor, first_position: int) -> None:
         """Row j holds the logits at position first_position + j, which predict the next token. Only
         prompt positions not yet recorded are kept (a preempted request recomputes its prompt)."""
@@ -330,40 +335,22 @@ class LLMEngine:
             return
         targets = prompt[first_position + start + 1 : first_position + end + 1]
         seq.prompt_logprobs.extend(top_logprobs(torch.log_softmax(logits[start:end], dim=-1), targets,
-                                                seq.params.prompt_logprobs, self._decode_token))
+                                                seq.params.prompt_logprobs))
 
-    def _record_logprobs(self, seq: Sequence, logits: torch.Tensor, token_ids: list[int]) -> None:
-        """logits [len(token_ids), vocab]: the rows that chose token_ids."""
-        if seq.params.logprobs is not None:
-            seq.logprobs.extend(top_logprobs(torch.log_softmax(logits, dim=-1), token_ids, seq.params.logprobs,
-                                             self._decode_token))
+    def _logprobs(self, seq: Sequence, logits: torch.Tensor, token_ids: list[int]) -> list[PositionLogprobs] | None:
+        """logits [len(token_ids), vocab]: the rows that chose token_ids. Token ids only: the front end
+        decodes them."""
+        if seq.params.logprobs is None:
+            return None
+        return top_logprobs(torch.log_softmax(logits, dim=-1), token_ids, seq.params.logprobs)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         params = seq.params
         seq.append_token(token)
-        previous_len = len(seq.text)
-        if seq.detokenizer is not None:
-            seq.text += seq.detokenizer.add([token])
-            if self._check_stop_strings(seq, previous_len):
-                return
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish("stop", token)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
-        if seq.finish_reason is not None and seq.detokenizer is not None:
-            seq.text += seq.detokenizer.flush()
-            self._check_stop_strings(seq, previous_len)
-
-    def _check_stop_strings(self, seq: Sequence, previous_len: int) -> bool:
-        """Finish seq if its text now contains a stop string; the text is cut before it."""
-        for stop in seq.params.stop:
-            # Only a match that overlaps the new text is new: search from len(stop) - 1 chars back.
-            at = seq.text.find(stop, max(0, previous_len - len(stop) + 1))
-            if at != -1:
-                seq.text = seq.text[:at]
-                seq.finish("stop", stop)
-                return True
-        return False
 
 
 def make_engine(config: EngineConfig, proposer: Proposer | None = None):

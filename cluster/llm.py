@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from warpspec.engine import Prompt, make_engine
 from warpspec.engine_options import engine_config
+from warpspec.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 from warpspec.proposer import Proposer
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -31,6 +32,7 @@ class LLM:
         EAGLE-3 draft that `draft` names."""
         self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
         self.engine = make_engine(self.config, proposer)
+        self.output_processor = OutputProcessor(self.engine.tokenizer, self._abort_in_core)
         self._next_request = 0
 
     @property
@@ -58,30 +60,39 @@ class LLM:
         if len(params_list) != len(prompts):
             raise InvalidRequestError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         # Validate the whole batch before any of it runs.
-        seqs = []
+        requests = []
         for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             try:
-                seqs.append(engine.make_sequence(f"offline-{self._next_request + i}", prompt, params))
+                requests.append(engine.new_request(f"offline-{self._next_request + i}", prompt, params))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
-        self._next_request += len(seqs)
-        for seq in seqs:
-            engine.add_sequence(seq)
+        self._next_request += len(requests)
+        for request in requests:
+            self.output_processor.add(request)
+            engine.add_request(request)
         finished: dict[str, RequestOutput] = {}
         try:
-            with tqdm(total=len(seqs), desc="generating", unit="req", disable=not use_tqdm) as progress:
+            with tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm) as progress:
                 while engine.has_unfinished():
-                    for out in engine.step():
+                    for out in self.output_processor.process(engine.step()):
                         if out.finished:
                             finished[out.request_id] = out
                             progress.update()
         except BaseException:
             # A failed step (or Ctrl-C) ends the whole call: its other requests leave the engine too,
             # so the next generate does not run them.
-            for seq in seqs:
-                engine.abort(seq.request_id)
+            for request in requests:
+                engine.abort(request.request_id)
+                self.output_processor.abort(request.request_id)
             raise
-        return [finished[seq.request_id] for seq in seqs]
+        return [finished[request.request_id] for request in requests]
+
+    def _abort_in_core(self, request_id: str) -> None:
+        """A stop string ended the request: free its KV blocks before the next step (with Ray workers,
+        the core hears of it at once, not with the next generate call)."""
+        self.engine.abort(request_id)
+        if self.config.parallel.uses_ray:
+            self.engine.send()
 
     def shutdown(self) -> None:
         """Release the model, its KV cache and, on Ray, the coordinator, workers and their placement

@@ -1,12 +1,12 @@
 """The engine as the replica sees it when the engine core runs in the coordinator actor (Ray workers).
 
-Same surface as LLMEngine for LLM and AsyncLLM (make_sequence, add_sequence, abort, has_unfinished,
+Same surface as LLMEngine for LLM and AsyncLLM (new_request, add_request, abort, has_unfinished,
 step, stats), but the core steps on its own: the requests added and aborted go to the coordinator
 as they come (send(), fire-and-forget), and each step's new tokens come back on one long-lived
 stream (core_messages.py). step() reads the next reply, blocking; for AsyncLLM, read_outputs() reads
 them in a thread of its own and hands each step's outputs to the event loop.
-Requests are validated and tokenized here, so a bad one never reaches the core; OutputAssembler
-rebuilds full outputs from the deltas.
+Requests are validated and tokenized here, so a bad one never reaches the core. The replies carry
+token ids, no text: the front end's OutputProcessor detokenizes them, as for a core in its process.
 """
 
 from __future__ import annotations
@@ -22,31 +22,10 @@ from warpspec.config import EngineConfig
 from warpspec.core_messages import CoreInput, RequestDelta, StepReply
 from warpspec.engine_stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
-from warpspec.outputs import RequestOutput
 from warpspec.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.spec_stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
-
-
-class OutputAssembler:
-    """One request's output, grown from the core's deltas: [5] + [7, 9] -> token_ids [5, 7, 9]."""
-
-    def __init__(self, request: NewRequest):
-        self.output = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, "", [], None,
-                                    logprobs=[] if request.params.logprobs is not None else None)
-
-    def add(self, delta: RequestDelta) -> RequestOutput:
-        out = self.output
-        out.token_ids = out.token_ids + delta.new_token_ids
-        out.text = delta.text if delta.text is not None else out.text + delta.new_text
-        if delta.new_logprobs is not None and out.logprobs is not None:
-            out.logprobs = out.logprobs + delta.new_logprobs
-        if delta.prompt_logprobs is not None:
-            out.prompt_logprobs = delta.prompt_logprobs
-        out.finish_reason, out.stop_reason, out.metrics = delta.finish_reason, delta.stop_reason, delta.metrics
-        # A fresh object per step: a consumer may hold the previous one.
-        return dataclasses.replace(out, new_token_ids=delta.new_token_ids, new_text=delta.new_text)
 
 
 class RemoteEngine:
@@ -61,7 +40,7 @@ class RemoteEngine:
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.executor.num_blocks, config.cache.block_size,
                                           config.seed)
-        self.requests: dict[str, OutputAssembler] = {}  # added and not yet finished or aborted
+        self.requests: set[str] = set()  # added and not yet finished or aborted
         self.pending_adds: list[NewRequest] = []  # not yet sent to the core
         self.pending_aborts: list[str] = []
         self.num_sent = 0  # CoreInputs sent: the next one's number
@@ -71,22 +50,24 @@ class RemoteEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def make_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
+    def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
+        """Validate and tokenize a request, here in the replica."""
         return self.validator.new_request(request_id, prompt, params)
 
-    def add_sequence(self, request: NewRequest) -> None:
+    def add_request(self, request: NewRequest) -> None:
         if self.failure is not None:  # the core is gone: nothing would ever answer
             raise self.failure
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
-        self.requests[request.request_id] = OutputAssembler(request)
+        self.requests.add(request.request_id)
         self.pending_adds.append(request)
 
     def abort(self, request_id: str) -> None:
         """Drop a request: never sent, it is forgotten here; sent, the core frees its KV blocks before
         its next step once send() has passed the abort on."""
-        if self.requests.pop(request_id, None) is None:
+        if request_id not in self.requests:
             return
+        self.requests.discard(request_id)
         unsent = [r for r in self.pending_adds if r.request_id != request_id]
         if len(unsent) == len(self.pending_adds):
             self.pending_aborts.append(request_id)
@@ -116,7 +97,7 @@ class RemoteEngine:
         self.num_sent += 1
         self.pending_adds, self.pending_aborts = [], []
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """Send what is pending, then wait for the core's next step. Raises the first request failure
         it reports (StepFailedError), after dropping every failed request."""
         self.send()
@@ -128,7 +109,7 @@ class RemoteEngine:
         return outputs
 
     def read_outputs(self, loop: asyncio.AbstractEventLoop,
-                     on_step: Callable[[list[RequestOutput], list[StepFailedError]], None],
+                     on_step: Callable[[list[RequestDelta], list[StepFailedError]], None],
                      on_end: Callable[[Exception], None]) -> threading.Thread:
         """Read the core's replies until its stream ends, in a thread of its own that blocks in Ray's
         wait; each step's outputs reach on_step on loop, where this engine's state is kept, and the
@@ -178,20 +159,18 @@ class RemoteEngine:
         self.requests.clear()
         self.failure = error
 
-    def _take(self, reply: StepReply) -> tuple[list[RequestOutput], list[StepFailedError]]:
+    def _take(self, reply: StepReply) -> tuple[list[RequestDelta], list[StepFailedError]]:
         self.core_stats, self.spec_stats = reply.stats, reply.spec_stats
         for failure in reply.failures:
-            for request_id in failure.request_ids:
-                self.requests.pop(request_id, None)
-        outputs = []
+            self.requests.difference_update(failure.request_ids)
+        deltas = []
         for delta in reply.deltas:
-            assembler = self.requests.get(delta.request_id)
-            if assembler is None:  # aborted here since the core ran the step
+            if delta.request_id not in self.requests:  # aborted here since the core ran the step
                 continue
-            outputs.append(assembler.add(delta))
-            if delta.finish_reason is not None:
-                del self.requests[delta.request_id]
-        return outputs, reply.failures
+            deltas.append(delta)
+            if delta.finished:
+                self.requests.discard(delta.request_id)
+        return deltas, reply.failures
 
     def shutdown(self) -> None:
         self.executor.shutdown()

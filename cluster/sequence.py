@@ -1,4 +1,5 @@
-"""A request's state inside the engine."""
+"""A request's state inside the engine core: token ids, KV progress, drafts and timings. No text: the
+front end detokenizes (output_processor.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from warpspec.core_messages import RequestDelta
 from warpspec.keyed_random import KeyedRandom
-from warpspec.outputs import PositionLogprobs, RequestOutput
+from warpspec.outputs import PositionLogprobs
 from warpspec.sampling_params import SamplingParams
-from warpspec.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -20,14 +21,12 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     random: KeyedRandom  # every draw keyed by the request's seed and the position it decides
-    detokenizer: IncrementalDetokenizer | None
     output_token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the KV cache
     num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache supplied at admission
-    text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list[PositionLogprobs] | None = None
+    new_logprobs: list[PositionLogprobs] | None = None  # of the output tokens not yet handed out
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
@@ -36,7 +35,6 @@ class Sequence:
     # Prompt then outputs; what the model has seen or will see.
     all_token_ids: list[int] = field(init=False)
     num_streamed_tokens: int = 0  # output tokens already handed out as deltas
-    num_streamed_chars: int = 0
     # Speculation: the proposer's drafts for the next step (kept through a preemption, to be verified
     # when the request is recomputed), and what verification made of them.
     draft_token_ids: list[int] = field(default_factory=list)
@@ -79,25 +77,18 @@ class Sequence:
             )
         return metrics
 
-    def take_delta(self) -> tuple[list[int], str]:
-        """Output tokens and text not yet handed out (for streaming)."""
+    def take_delta(self, num_draft_tokens: int = 0) -> RequestDelta:
+        """What the front end has not heard yet: the new output tokens and their logprobs; the prompt
+        logprobs and the metrics known so far with the first tokens (the front end needs them to finish
+        a request that a stop string ends before the core does); the final metrics at the end.
+        num_draft_tokens: the drafts this step verified."""
+        is_first = self.num_streamed_tokens == 0
         tokens = self.output_token_ids[self.num_streamed_tokens :]
-        text = self.text[self.num_streamed_chars :]
-        self.num_streamed_tokens, self.num_streamed_chars = len(self.output_token_ids), len(self.text)
-        return tokens, text
-
-    def to_output(self, new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            text=self.text,
-            token_ids=list(self.output_token_ids),
-            finish_reason=self.finish_reason,
-            logprobs=self.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            stop_reason=self.stop_reason,
-            metrics=self.metrics() if self.finish_reason is not None else {},
-            new_token_ids=list(new_token_ids or []),
-            new_text=new_text,
-        )
+        self.num_streamed_tokens = len(self.output_token_ids)
+        logprobs = self.new_logprobs
+        if logprobs is not None:
+            self.new_logprobs = []
+        return RequestDelta(self.request_id, tokens, self.finish_reason, self.stop_reason, logprobs,
+                            self.prompt_logprobs if is_first else None,
+                            self.metrics() if is_first or self.finish_reason is not None else {},
+                            num_draft_tokens)

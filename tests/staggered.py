@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from warpspec.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 
 
 def run_staggered(engine, requests) -> dict[str, RequestOutput]:
     """requests: (request id, prompt, params, the step it arrives at). Steps the LLMEngine until every
-    request has finished; returns each one's final output by id."""
+    request has finished, its deltas through an OutputProcessor as LLM does; returns each one's final
+    output by id."""
+    processor = OutputProcessor(engine.tokenizer, engine.abort)
     finished, step = {}, 0
     pending = sorted(requests, key=lambda r: r[3])
     while pending or engine.has_unfinished():
         while pending and pending[0][3] <= step:
             request_id, prompt, params, _ = pending.pop(0)
-            engine.add_sequence(engine.make_sequence(request_id, prompt, params))
-        for out in engine.step():
+            request = engine.new_request(request_id, prompt, params)
+            processor.add(request)
+            engine.add_request(request)
+        for out in processor.process(engine.step()):
             if out.finished:
                 finished[out.request_id] = out
         step += 1

@@ -126,9 +126,11 @@ def test_staggered_crowd_over_two_workers_matches_each_request_alone(ray_cluster
 def _draft_trace(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams):
     """The drafts, and the distributions they were drawn from, after every step of one request."""
     engine, trace = llm.engine, []
-    engine.add_sequence(engine.make_sequence(request_id, prompt, params))
+    request = engine.new_request(request_id, prompt, params)
+    llm.output_processor.add(request)
+    engine.add_request(request)
     while engine.has_unfinished():
-        finished = [out for out in engine.step() if out.finished]
+        finished = [out for out in llm.output_processor.process(engine.step()) if out.finished]
         seq = engine.requests.get(request_id)
         if seq is not None:
             trace.append((list(seq.draft_token_ids), seq.draft_probs))
