@@ -16,7 +16,10 @@ Shapes that would otherwise recompile the step:
 
 So a replica needs at most two graphs per (query length, captured layers). The engine builds them
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
-`num_compiles`; a test runs 2 x 199 decode steps).
+`num_compiles`; a test runs 2 x 199 decode steps). Each graph runs with the thread count that ran
+its step fastest eagerly (workers/cpu_threads.py: under OMP_WAIT_POLICY=PASSIVE one thread wins,
+spinning threads favour all of them). It is chosen before the graph is built: a graph guards on the
+thread count, and timing the compiled step with each count would build it once per count.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from warpspec.kernels import PagedAttentionMetadata
+from warpspec.workers.cpu_threads import torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig, uniform_query_len
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -96,6 +100,8 @@ class CompiledStepRunner:
         self.block_size = block_size
         self.max_blocks = -(-config.max_model_len // block_size)
         self.compiled = CountingCompiler(self._forward)
+        # (query length, one sequence) -> the thread count its graph runs fastest with (choose_threads)
+        self.thread_counts: dict[tuple[int, bool], int] = {}
 
     @property
     def num_compiles(self) -> int:
@@ -120,7 +126,17 @@ class CompiledStepRunner:
         inputs = (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                   step.slot_mapping)
         mark_step_dynamic(inputs, block_tables, step.seq_lens.shape[0])
-        return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids))
+        with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
+            return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids))
+
+    @staticmethod
+    def _graph_of(step: StepInput) -> tuple[int, bool]:
+        return step.max_query_len, step.seq_lens.shape[0] == 1
+
+    def set_threads(self, step: StepInput, count: int) -> None:
+        """Run step's graph with count threads. Set it before the graph is built: the graph guards
+        on the count it was built with, and another count would build it again."""
+        self.thread_counts[self._graph_of(step)] = count
 
     def warm_up_steps(self, aux_layer_ids: list[int]) -> list[StepInput]:
         """One step of every graph a replica needs: each query length, for one sequence and for two.

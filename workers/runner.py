@@ -13,6 +13,7 @@ from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator
 from warpspec.workers.compiled_step import CompiledStepRunner
+from warpspec.workers.cpu_threads import fastest_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.loader import load_model
@@ -78,9 +79,13 @@ class ModelRunner:
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
-        request waits for them (CompiledStepRunner.warm_up_steps); nothing to do otherwise."""
+        request waits for them (CompiledStepRunner.warm_up_steps), each with the thread count that
+        runs its step fastest eagerly; nothing to do otherwise."""
         if isinstance(self.graph_runner, CompiledStepRunner):
             for step in self.graph_runner.warm_up_steps(aux_layer_ids):
+                with torch.inference_mode():
+                    count, _ = fastest_thread_count(lambda step=step: self._eager_forward(step))
+                self.graph_runner.set_threads(step, count)
                 self.execute(step)
 
     @torch.inference_mode()
@@ -94,9 +99,12 @@ class ModelRunner:
         if graphed is not None:
             logits, aux = graphed
         else:
-            step = step.to(self.device)
-            hidden, aux = self.model(step.input_ids, step.positions, step, tuple(step.aux_layer_ids))
-            logits = self.model.compute_logits(hidden[step.logits_indices])
+            logits, aux = self._eager_forward(step)
         if logits is None:  # not rank 0: nothing large goes back
             aux = []
         return StepOutput(logits=logits, aux_hidden=aux, compute_s=time.perf_counter() - start)
+
+    def _eager_forward(self, step: StepInput) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        step = step.to(self.device)
+        hidden, aux = self.model(step.input_ids, step.positions, step, tuple(step.aux_layer_ids))
+        return self.model.compute_logits(hidden[step.logits_indices]), aux

@@ -116,6 +116,44 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
     assert tokens[False] == tokens[True]
 
 
+class ThreadRecorder:
+    """Wraps a compiled step, noting the thread count of every call."""
+
+    def __init__(self, compiled):
+        self.compiled, self.counts = compiled, []
+
+    def __call__(self, *args):
+        self.counts.append(torch.get_num_threads())
+        return self.compiled(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
+
+
+def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpoint, monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # One sequence's decode graph: 1 thread; more sequences': 2 (as if the timing had said so).
+        choices = iter([1, 2])
+        monkeypatch.setattr("warpspec.workers.runner.fastest_thread_count", lambda run: (next(choices), {}))
+        runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=16),
+                             cuda_graphs=CudaGraphConfig(batch_sizes=(1, 2), query_lens=(1,), max_model_len=64))
+        runner.warm_up([])
+        assert runner.graph_runner.thread_counts == {(1, True): 1, (1, False): 2}
+        recorder = runner.graph_runner.compiled = ThreadRecorder(runner.graph_runner.compiled)
+        compiles = runner.graph_runner.num_compiles
+        one = StepInput.build([SequenceStep([5], 3, [0], 0)], BLOCK)
+        two = StepInput.build([SequenceStep([5], 3, [0], 0), SequenceStep([6], 7, [1, 2], 0)], BLOCK)
+        for step in (one, two, one):
+            runner.execute(step)
+            assert torch.get_num_threads() == 2  # restored after the step
+        assert recorder.counts == [1, 2, 1]
+        assert runner.graph_runner.num_compiles == compiles  # each graph was built with its count
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     use_compile_cache(tmp_path / "a")

@@ -1,0 +1,47 @@
+"""The thread count of compiled CPU steps: the candidates, the timing that picks one, and that a
+chosen count is restored after the block that ran with it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from warpspec.workers.compiled_step import CountingCompiler
+from warpspec.workers.cpu_threads import TIMED_RUNS, candidate_thread_counts, fastest_thread_count, torch_threads
+
+
+@pytest.mark.parametrize("most,counts", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
+def test_candidates_are_powers_of_two_and_the_most(most, counts):
+    assert candidate_thread_counts(most) == counts
+
+
+def test_torch_threads_restores_the_count_even_when_the_block_raises():
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(1):
+        raise RuntimeError("step failed")
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("slow_when_parallel", [True, False])
+def test_the_fastest_count_wins(slow_when_parallel):
+    def run():
+        parallel = torch.get_num_threads() > 1
+        time.sleep(0.004 if parallel == slow_when_parallel else 0.0)
+
+    count, times = fastest_thread_count(run, most=2)
+    assert count == (1 if slow_when_parallel else 2)
+    assert set(times) == {1, 2} and all(t < float("inf") for t in times.values())
+
+
+def test_timing_runs_compiled_functions_eagerly():
+    """A graph guards on the thread count: timing a compiled function with each count would build it
+    once per count. The timing runs it uncompiled instead."""
+    compiled = CountingCompiler(lambda x: torch.relu(x) * 2)
+    x = torch.randn(8)
+    fastest_thread_count(lambda: compiled(x), most=2)
+    assert compiled.num_compiles == 0 and compiled.num_calls == 2 * TIMED_RUNS

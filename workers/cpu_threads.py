@@ -1,0 +1,69 @@
+"""How many torch threads a compiled step runs with on a CPU: whichever count ran its step fastest at
+start-up.
+
+A step of a small model is a few dozen parallel regions (GEMM calls and fused loops) of microseconds
+each. Whether more threads pay depends on how OpenMP threads wait between regions, which torch cannot
+see. Measured on the bundled target's batch-1 decode step on 2 cores:
+- spinning (libgomp's default): threads start a region at once, and 2 threads run the step 1.45x
+  faster than 1;
+- sleeping (OMP_WAIT_POLICY=PASSIVE, what a machine shared with other processes needs): each region
+  wakes its threads, ~65 us for a 256 x 384 GEMM that computes in 7 us, and 1 thread runs the step
+  2.5x faster than 2.
+So each compiled graph runs with the count that ran its step fastest eagerly, timed at start-up (the
+eager step has the same many short regions; a graph guards on the thread count it was built with).
+Eager steps (prefill chunks, large batches) keep torch's count: their regions are long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+TIMED_RUNS = 5  # per candidate, interleaved; the minimum is kept (noise only ever adds time)
+
+
+def candidate_thread_counts(most: int) -> list[int]:
+    """1, 2, 4, ... up to most, and most itself."""
+    counts = [1]
+    while counts[-1] * 2 < most:
+        counts.append(counts[-1] * 2)
+    return sorted(set(counts) | {most})
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block with count intra-op threads, then restore the count before it. torch's setting
+    is per process: the engine steps from one thread, so nothing else computes meanwhile."""
+    before = torch.get_num_threads()
+    if count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fastest_thread_count(run: Callable[[], object], most: int | None = None) -> tuple[int, dict[int, float]]:
+    """Time run() eagerly with every candidate count up to most (torch's current count), TIMED_RUNS
+    times each in turn; the fastest count and each count's best time in seconds. Eagerly: any
+    torch.compile'd function run calls runs uncompiled (compiling it once per count would be the
+    cost this avoids). run must be safe to repeat (a warm-up step writes KV into blocks no request
+    holds)."""
+    most = most or torch.get_num_threads()
+    counts = candidate_thread_counts(most)
+    best = {count: float("inf") for count in counts}
+    if len(counts) == 1:
+        return counts[0], best
+    with torch.compiler.set_stance("force_eager"):
+        for _ in range(TIMED_RUNS):
+            for count in counts:
+                with torch_threads(count):
+                    start = time.perf_counter()
+                    run()
+                    best[count] = min(best[count], time.perf_counter() - start)
+    return min(counts, key=best.__getitem__), best
