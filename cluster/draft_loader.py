@@ -32,7 +32,8 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
     if compile_draft:
         use_compile_cache(config.run_dir)
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
-                          compile=compile_draft, deterministic=config.deterministic)
+                          compile=compile_draft, deterministic=config.deterministic,
+                          num_speculative_tokens=spec.num_speculative_tokens)
 
 
 def draft_device(target_device: str) -> torch.device:

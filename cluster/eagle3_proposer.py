@@ -12,6 +12,13 @@ The draft's own k - 1 steps write KV past the request's last known token, where 
 hold no block yet. Those entries are scratch (the next catch-up overwrites them), so they go to
 scratch blocks at the end of the draft's cache instead of taking blocks from the engine: the number
 of drafts never depends on how full the KV cache is.
+
+On a CPU every steady-state draft step runs as one compiled graph. After a verification a request
+catches up on 1 to k + 1 positions (the accepted drafts and the bonus token); that catch-up is padded
+to k + 1 positions, repeating the last token and feature, so every request's looks alike and one
+graph serves any mix of acceptances. The padded positions lie past the last known token, where
+drafts write scratch KV anyway: their KV and logits are never read. A catch-up over more positions (a
+prompt, or a recompute after preemption) runs eagerly, with its dense halves compiled.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import exponential_noise
 from warpspec.workers.compiled_step import CountingCompiler, mark_step_dynamic, widen_block_tables
+from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -51,9 +59,10 @@ class CompiledWithFallback:
 
 class Eagle3Proposer:
     def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
-                 compile: bool = True, deterministic: bool = False):
+                 compile: bool = True, deterministic: bool = False, num_speculative_tokens: int = 3):
         """deterministic: draft in kernels/batch_invariant.py's mode, eagerly (the mode's float64
-        weight copies are made on first use, a side effect torch.compile would not keep)."""
+        weight copies are made on first use, a side effect torch.compile would not keep).
+        num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1."""
         c = draft.config
         self.deterministic = deterministic
         self.device = torch.device(device)
@@ -65,8 +74,16 @@ class Eagle3Proposer:
         self.target_ids = self.draft.to_target_ids(torch.arange(c.draft_vocab_size)).cpu()
         draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
+        # Its block count grows with scratch blocks (_with_scratch): symbolic in the compiled steps,
+        # which would otherwise be built again at every growth.
+        torch._dynamo.mark_dynamic(draft.kv_cache, 1)
+        self.catch_up_len = num_speculative_tokens + 1
         self.decode_compiler: CountingCompiler | None = None
         self.compiled_decode: CompiledWithFallback | None = None
+        self.catch_up_compiler: CountingCompiler | None = None
+        self.compiled_catch_up: CompiledWithFallback | None = None
+        # (query length, one request) -> the thread count its graph runs with (workers/cpu_threads.py)
+        self.thread_counts: dict[tuple[int, bool], int] = {}
         if compile and not deterministic:
             # The dense halves around attention take only tensors whose one varying size is the token
             # count, so one dynamic-shape graph serves every step.
@@ -78,26 +95,89 @@ class Eagle3Proposer:
                 self.decode_compiler = CountingCompiler(self._decode_forward)
                 self.compiled_decode = CompiledWithFallback(self._decode_forward, "the EAGLE-3 draft's decode step",
                                                             compiled=self.decode_compiler)
+                self.catch_up_compiler = CountingCompiler(self._catch_up_forward)
+                self.compiled_catch_up = CompiledWithFallback(self._catch_up_forward, "the EAGLE-3 draft's catch-up",
+                                                              compiled=self.catch_up_compiler)
 
     def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = StepInput.build(plan, self.block_size).to(self.device)
         if self.compiled_decode is not None and step.max_query_len == 1:
-            block_tables = widen_block_tables(step.block_tables)
-            inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
-                      step.slot_mapping)
-            mark_step_dynamic(inputs, block_tables, len(plan))
-            logits, prenorm = self.compiled_decode(*inputs)
+            logits, prenorm = self._run_compiled(self.compiled_decode, step, features)
         else:
             meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
                                           step.max_query_len, step.max_seq_len)
             logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
         return logits[step.logits_indices], prenorm[step.logits_indices]
 
+    def _run_padded_catch_up(self, requests: list[DraftRequest], features: torch.Tensor,
+                             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's catch-up padded to catch_up_len positions (module docstring), as one compiled
+        step; the logits and pre-norm output at the last real position of each request that wants
+        drafts (as _run returns them)."""
+        n = self.catch_up_len
+        plan = [SequenceStep(r.token_ids + r.token_ids[-1:] * (n - r.num_positions), r.first_position, table, 0)
+                for r, table in zip(requests, tables, strict=True)]
+        rows = torch.tensor([r.feature_start + min(j, r.num_positions - 1) for r in requests for j in range(n)])
+        step = StepInput.build(plan, self.block_size).to(self.device)
+        logits, prenorm = self._run_compiled(self.compiled_catch_up, step, features[rows.to(self.device)])
+        last = torch.tensor([i * n + r.num_positions - 1 for i, r in enumerate(requests) if r.num_drafts],
+                            device=self.device, dtype=torch.long)
+        return logits[last], prenorm[last]
+
+    def _run_compiled(self, compiled: CompiledWithFallback, step: StepInput,
+                      features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block_tables = widen_block_tables(step.block_tables)
+        inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
+                  step.slot_mapping)
+        mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
+        graph = (step.max_query_len, len(step.seq_lens) == 1)
+        with torch_threads(self.thread_counts.get(graph, torch.get_num_threads())):
+            return compiled(*inputs)
+
     def _decode_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables, slot_mapping):
         """One token per request, logits for each: the draft's whole step."""
-        meta = PagedAttentionMetadata(query_start_loc, seq_lens, block_tables, self.block_size, 1,
-                                      block_tables.shape[1] * self.block_size, num_tokens=input_ids.shape[0])
+        return self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens, block_tables,
+                                     slot_mapping, 1)
+
+    def _catch_up_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables,
+                          slot_mapping):
+        """catch_up_len tokens per request (the target's features), logits for each."""
+        return self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens, block_tables,
+                                     slot_mapping, self.catch_up_len)
+
+    def _uniform_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
+                         query_len: int):
+        meta = PagedAttentionMetadata(query_start_loc, seq_lens, block_tables, self.block_size, query_len,
+                                      block_tables.shape[1] * self.block_size, num_tokens=input_ids.shape[0],
+                                      is_uniform=True)
         return self.draft(input_ids, features, positions, slot_mapping, meta)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Build the compiled graphs before the first request needs them: the padded catch-up and the
+        decode step, each for one request and for two, with the thread count that runs the step
+        fastest eagerly (chosen first: a graph guards on the count it was built with); then the
+        dense halves a prompt's catch-up runs. The steps write into the first blocks, which no
+        request holds yet."""
+        if self.compiled_decode is None:
+            return
+        target_width = 3 * self.draft.config.target_hidden_size
+        table = list(range(-(-2 * self.catch_up_len // self.block_size)))
+        for query_len, compiled, eager, width in (
+                (self.catch_up_len, self.compiled_catch_up, self._catch_up_forward, target_width),
+                (1, self.compiled_decode, self._decode_forward, self.draft.config.hidden_size)):
+            for num_requests in (1, 2):
+                step = StepInput.build([SequenceStep([0] * query_len, 0, table, 0)] * num_requests,
+                                       self.block_size).to(self.device)
+                features = torch.zeros(step.input_ids.shape[0], width, dtype=self.draft.fc.dtype, device=self.device)
+                inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens,
+                          widen_block_tables(step.block_tables), step.slot_mapping)
+                graph = (query_len, num_requests == 1)
+                self.thread_counts[graph], _ = fastest_thread_count(lambda inputs=inputs, eager=eager: eager(*inputs))
+                self._run_compiled(compiled, step, features)
+        prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, table, 2 * self.catch_up_len - 1)]
+        self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
+                                      device=self.device))
 
     def _choose(self, logits: torch.Tensor, requests: list[DraftRequest],
                 step: int) -> tuple[list[int], torch.Tensor | None]:
@@ -126,19 +206,23 @@ class Eagle3Proposer:
             probs.index_copy_(1, target_ids, draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
-    def _with_scratch(self, requests: list[DraftRequest]) -> list[list[int]]:
+    def _with_scratch(self, requests: list[DraftRequest], padded: bool) -> list[list[int]]:
         """Each request's block table, extended with scratch blocks up to the last position its draft
-        steps write (first_position + num_positions + num_drafts - 2)."""
+        steps write: first_position + num_positions + num_drafts - 2, or the padded catch-up's last,
+        first_position + catch_up_len - 1, when that is further."""
         tables, next_scratch = [], self.num_blocks
         for r in requests:
-            last = r.first_position + r.num_positions + r.num_drafts - 2
+            last = r.first_position + max(r.num_positions + r.num_drafts - 1, self.catch_up_len if padded else 0) - 1
             extra = max(0, last // self.block_size + 1 - len(r.block_table))
             tables.append(r.block_table + list(range(next_scratch, next_scratch + extra)))
             next_scratch += extra
         cache = self.draft.kv_cache
         if next_scratch > cache.shape[1]:  # grows to the largest batch of drafts seen, then stays
-            grown = cache.new_zeros(cache.shape[0], next_scratch, *cache.shape[2:])
-            grown[:, : cache.shape[1]] = cache
+            # Outside inference mode, like the first cache: the compiled steps guard on the kind of tensor.
+            with torch.inference_mode(False):
+                grown = cache.new_zeros(cache.shape[0], next_scratch, *cache.shape[2:])
+                grown[:, : cache.shape[1]] = cache
+            torch._dynamo.mark_dynamic(grown, 1)
             self.draft.kv_cache = grown
         return tables
 
@@ -155,12 +239,18 @@ class Eagle3Proposer:
 
     def _propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:
         features = torch.cat(aux_hidden, dim=-1).to(self.device, self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
-        plan = [SequenceStep(r.token_ids, r.first_position, r.block_table,
-                             logits_from=r.num_positions - 1 if r.num_drafts else r.num_positions) for r in requests]
-        rows = torch.cat([torch.arange(r.feature_start, r.feature_start + r.num_positions) for r in requests])
-        logits, prenorm = self._run(plan, features[rows.to(self.device)])
+        padded = (self.compiled_catch_up is not None
+                  and all(r.num_positions <= self.catch_up_len for r in requests))
+        tables = self._with_scratch(requests, padded)
+        if padded:
+            logits, prenorm = self._run_padded_catch_up(requests, features, tables)
+        else:
+            plan = [SequenceStep(r.token_ids, r.first_position, r.block_table,
+                                 logits_from=r.num_positions - 1 if r.num_drafts else r.num_positions)
+                    for r in requests]
+            rows = torch.cat([torch.arange(r.feature_start, r.feature_start + r.num_positions) for r in requests])
+            logits, prenorm = self._run(plan, features[rows.to(self.device)])
         drafts = [Drafts([]) for _ in requests]
-        tables = self._with_scratch(requests)
         active = [i for i, r in enumerate(requests) if r.num_drafts]
         probs_of: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         step = 0

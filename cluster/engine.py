@@ -71,11 +71,14 @@ class LLMEngine:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Let a runner in this process build its compiled step graphs before the first request
-        (ModelRunner.warm_up; a no-op where nothing compiles)."""
+        """Let a runner in this process, and the draft, build their compiled step graphs before the
+        first request (ModelRunner.warm_up, Eagle3Proposer.warm_up; no-ops where nothing compiles)."""
         runner = getattr(self.executor, "runner", None)
         if runner is not None:
             runner.warm_up(list(self.proposer.aux_layer_ids) if self.proposer is not None else [])
+        warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
+        if warm_up_draft is not None:
+            warm_up_draft()
 
     def _load_proposer(self) -> Proposer | None:
         if not self.config.speculative.enabled:

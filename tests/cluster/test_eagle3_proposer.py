@@ -1,0 +1,82 @@
+"""The EAGLE-3 proposer's compiled CPU steps propose what its eager steps propose: the catch-up,
+padded to k + 1 positions whatever each request accepted, and the single-token steps after it, for
+one request and for several, greedy and sampled. Built at warm-up, they compile nothing after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eagle3_checkpoints import make_speculation_draft, make_speculation_target
+
+from warpspec.eagle3_proposer import Eagle3Proposer
+from warpspec.keyed_random import KeyedRandom
+from warpspec.proposer import DraftRequest
+from warpspec.workers.eagle3 import load_eagle3
+from warpspec.workers.loader import read_checkpoint_tensor
+from warpspec.workers.model_config import ModelConfig
+
+BLOCK = 4
+K = 3
+
+
+@pytest.fixture(scope="module")
+def proposers(tmp_path_factory):
+    """(eager, compiled) proposers over the same draft weights, each with its own KV cache."""
+    target = make_speculation_target(tmp_path_factory.mktemp("target"))
+    draft_path = make_speculation_draft(tmp_path_factory.mktemp("draft"))
+    config = ModelConfig.from_pretrained(target)
+    embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
+    made = []
+    for compile_draft in (False, True):
+        draft = load_eagle3(draft_path, config, embed, torch.float32)
+        made.append(Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, compile=compile_draft,
+                                   num_speculative_tokens=K))
+    made[1].warm_up()
+    return made
+
+
+def _requests(positions: list[int], num_positions: list[int], temperatures: list[float], rows_each: list[int],
+              tables: list[list[int]]) -> list[DraftRequest]:
+    tokens = torch.Generator().manual_seed(sum(positions) + sum(num_positions))
+    starts = [sum(rows_each[:i]) for i in range(len(rows_each))]
+    return [DraftRequest(f"r{i}", torch.randint(3, 160, (n,), generator=tokens).tolist(), first, start, K, table,
+                         temperature, KeyedRandom(i))
+            for i, (first, n, temperature, start, table)
+            in enumerate(zip(positions, num_positions, temperatures, starts, tables, strict=True))]
+
+
+def _features(num_rows: int, hidden: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(num_rows, hidden, generator=gen) for _ in range(3)]
+
+
+def test_the_compiled_catch_up_and_draft_steps_propose_the_eager_drafts(proposers):
+    eager, compiled = proposers
+    hidden = compiled.draft.config.target_hidden_size
+    prompts = [9, 6, 11]
+    tables = [list(range(0, 6)), list(range(6, 12)), list(range(12, 18))]  # 24 positions each
+    temperatures = [0.0, 0.8, 0.0]
+    # The prompts' catch-ups are longer than k + 1: eager in both.
+    first = _requests([0, 0, 0], prompts, temperatures, prompts, tables)
+    steps = [(first, _features(sum(prompts), hidden, 0))]
+    # After one verification each request accepted a different number of drafts (0, 3, 1): its
+    # catch-up covers 1, 4 or 2 positions of its k + 1 verified rows.
+    steps.append((_requests(prompts, [1, 4, 2], temperatures, [K + 1] * 3, tables), _features(3 * (K + 1), hidden, 1)))
+    # One request alone (its own graph), then two.
+    steps.append((_requests([10], [3], [0.0], [K + 1], tables[:1]), _features(K + 1, hidden, 2)))
+    steps.append((_requests([10, 13], [2, 4], [0.8, 0.0], [K + 1] * 2, tables[1:]), _features(2 * (K + 1), hidden, 3)))
+    compiles = compiled.catch_up_compiler.num_compiles + compiled.decode_compiler.num_compiles
+    for number, (requests, aux) in enumerate(steps):
+        calls = compiled.catch_up_compiler.num_calls
+        want, got = eager.propose(requests, aux), compiled.propose(requests, aux)
+        # Compiled exactly when every catch-up fits k + 1 positions.
+        assert compiled.catch_up_compiler.num_calls == calls + (number > 0)
+        for w, g in zip(want, got, strict=True):
+            assert len(g.token_ids) == K and g.token_ids == w.token_ids
+            assert (w.probs is None) == (g.probs is None)
+            if w.probs is not None:
+                torch.testing.assert_close(g.probs, w.probs, atol=1e-5, rtol=1e-4)
+    assert not compiled.compiled_catch_up.failed and not compiled.compiled_decode.failed
+    assert compiled.decode_compiler.num_calls > 0
+    assert compiled.catch_up_compiler.num_compiles + compiled.decode_compiler.num_compiles == compiles
+    assert set(compiled.thread_counts) == {(K + 1, True), (K + 1, False), (1, True), (1, False)}
