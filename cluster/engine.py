@@ -93,29 +93,20 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
-        """Validate and tokenize a request without touching the batch."""
+        """Validate and tokenize a request without touching the batch (the front end's first step)."""
         return self.validator.new_request(request_id, prompt, params)
 
     def add_request(self, request: NewRequest) -> None:
-        self.add_sequence(self.sequence_of(request))
-
-    def make_sequence(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Sequence:
-        return self.sequence_of(self.new_request(request_id, prompt, params))
-
-    def sequence_of(self, request: NewRequest) -> Sequence:
-        """The engine's state for a request validated elsewhere (RequestValidator)."""
+        """Admit a request validated here or elsewhere (RequestValidator: the replica, over Ray)."""
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
         params = request.params
         seq = Sequence(request.request_id, request.prompt, list(request.prompt_token_ids), params,
                        KeyedRandom(request.seed), new_logprobs=[] if params.logprobs is not None else None,
                        arrival_time=request.arrival_here())
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
-        return seq
-
-    def add_sequence(self, seq: Sequence) -> None:
-        if seq.request_id in self.requests:
-            raise InvalidRequestError(f"request_id {seq.request_id!r} is already in flight")
-        self.requests[seq.request_id] = seq
+        self.requests[request.request_id] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -222,7 +213,7 @@ class LLMEngine:
             self.spec_stats.draft_time_s += time.perf_counter() - draft_start
         for item, (tokens, _) in zip(sched.scheduled, emitted, strict=True):
             if tokens is not None:
-                outputs.append(item.seq.take_delta(len(item.draft_token_ids) if item.samples else 0))
+                outputs.append(item.seq.take_delta(len(item.draft_token_ids)))
         self.spec_stats.step_time_s += time.perf_counter() - step_start
         return outputs
 
