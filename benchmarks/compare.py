@@ -2,9 +2,12 @@
 prompts (held-out documentation excerpts) and output lengths: transformers `generate` greedy,
 transformers assisted generation by prompt lookup (k=3), warpspec without speculation and with EAGLE-3,
 on 1 and 2 workers, at batch 1 and 8. Where warpspec compiles its steps (one rank on a CPU) it also
-runs with enforce_eager, side by side. Tokens/s per user, ratios to transformers' greedy, and the
-draft's share of step time; Markdown, JSON and a PNG bar chart under runs/bench/. Every
-configuration runs greedy, so all of them must emit the same tokens (checked, and reported).
+runs with enforce_eager, side by side. Batch 1 runs each of the first --batch1-prompts held-out
+prompts alone and reports the median over them (acceptance varies by prompt); a larger batch runs
+the first prompts together. Tokens/s per user, ratios to transformers' greedy, and the draft's share
+of step time; Markdown, JSON and a PNG bar chart under runs/bench/. Every configuration runs greedy,
+so all of them must emit the same tokens (checked, and reported). The header says how OpenMP threads
+wait (OMP_WAIT_POLICY) and how many torch uses: on a CPU both change every figure.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import contextlib
 import copy
 import itertools
 import json
+import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +56,21 @@ def timed(run: Callable, prompts: list[list[int]]) -> tuple[float, list[list[int
     start = time.perf_counter()
     tokens = run(prompts)
     return time.perf_counter() - start, tokens
+
+
+def thread_choices(systems: list[dict]) -> dict[str, dict[str, int]]:
+    """The thread count each in-process compiled graph runs with, per system (workers/cpu_threads.py),
+    keyed "(query length, one sequence)"; the draft's graphs are marked "draft"."""
+    chosen = {}
+    for s in systems:
+        engine = s["llm"].engine if "llm" in s else None
+        runner = getattr(getattr(engine, "executor", None), "runner", None)
+        graphs = getattr(getattr(runner, "graph_runner", None), "thread_counts", {})
+        drafts = getattr(getattr(engine, "proposer", None), "thread_counts", {})
+        counts = {str(g): n for g, n in graphs.items()} | {f"draft {g}": n for g, n in drafts.items()}
+        if counts:
+            chosen[f"{s['system']} ({s['workers']})"] = counts
+    return chosen
 
 
 def format_table(rows: list[dict], batches: list[int]) -> str:
@@ -101,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="warpspec worker counts: 1 in this process, rayN N workers through Ray, N > 1 likewise")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration (median kept)")
+    parser.add_argument("--batch1-prompts", type=int, default=4,
+                        help="batch 1: run each of this many held-out prompts alone, report the median")
     parser.add_argument("--dtype", default="float32", help="both engines compute in this dtype")
     parser.add_argument("--run-dir", default="runs")
     args = parser.parse_args(argv)
@@ -112,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = held_out_prompts()
     if max(batches) > len(prompts):
         raise SystemExit(f"--batch-sizes: at most {len(prompts)} (the bundled held-out prompts)")
+    if not 1 <= args.batch1_prompts <= len(prompts):
+        raise SystemExit(f"--batch1-prompts: between 1 and {len(prompts)} (the bundled held-out prompts)")
 
     reference = Llama4ForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
     reference.generation_config.eos_token_id = None
@@ -136,24 +160,37 @@ def main(argv: list[str] | None = None) -> int:
             s["run"](prompts[:1])
         results = {s["system"] + str(s["workers"]): {} for s in systems}
         for batch in batches:
-            batch_prompts = prompts[:batch]
-            # Interleave the systems and repeat: this machine's speed drifts over a minute.
-            walls: dict[str, list[float]] = {key: [] for key in results}
-            for _ in range(args.repeats):
-                for s in systems:
-                    if batch not in s.get("batches", batches):
-                        continue
-                    before = copy.deepcopy(s["llm"].engine.spec_stats) if "llm" in s else None
-                    wall, tokens = timed(s["run"], batch_prompts)
-                    key = s["system"] + str(s["workers"])
-                    walls[key].append(wall)
-                    spec = s["llm"].engine.spec_stats.since(before) if "llm" in s else None
-                    results[key][batch] = {"tokens": tokens,
-                                           "acceptance_length": spec.acceptance_length if spec else None,
-                                           "draft_share": spec.draft_share if spec else None}
-            for key, values in walls.items():
-                if values:
-                    results[key][batch]["tokens_per_s_per_user"] = args.new_tokens / sorted(values)[len(values) // 2]
+            # Batch 1: each prompt alone, median over them; a larger batch: the first prompts at once.
+            prompt_sets = [[p] for p in prompts[: args.batch1_prompts]] if batch == 1 else [prompts[:batch]]
+            rates: dict[str, list[float]] = {key: [] for key in results}
+            tokens: dict[str, list[list[int]]] = {key: [] for key in results}
+            spec_before = {key: copy.deepcopy(s["llm"].engine.spec_stats) for s in systems if "llm" in s
+                           for key in [s["system"] + str(s["workers"])]}
+            for batch_prompts in prompt_sets:
+                # Interleave the systems and repeat: this machine's speed drifts over a minute.
+                walls: dict[str, list[float]] = {key: [] for key in results}
+                for _ in range(args.repeats):
+                    for s in systems:
+                        if batch not in s.get("batches", batches):
+                            continue
+                        key = s["system"] + str(s["workers"])
+                        wall, out = timed(s["run"], batch_prompts)
+                        walls[key].append(wall)
+                        if len(walls[key]) == 1:
+                            tokens[key] += out
+                for key, values in walls.items():
+                    if values:
+                        rates[key].append(args.new_tokens / statistics.median(values))
+            for s in systems:
+                key = s["system"] + str(s["workers"])
+                if not rates[key]:
+                    continue
+                spec = s["llm"].engine.spec_stats.since(spec_before[key]) if "llm" in s else None
+                results[key][batch] = {"tokens": tokens[key], "tokens_per_s_per_user": statistics.median(rates[key]),
+                                       "per_prompt": rates[key],
+                                       "acceptance_length": spec.acceptance_length if spec else None,
+                                       "draft_share": spec.draft_share if spec else None}
+        threads = thread_choices(systems)  # while the engines are up
     rows = []
     for s in systems:
         measured = results[s["system"] + str(s["workers"])]
@@ -166,11 +203,15 @@ def main(argv: list[str] | None = None) -> int:
             "acceptance_length": {str(b): m["acceptance_length"] for b, m in measured.items()
                                   if m["acceptance_length"]},
             "draft_share": {str(b): m["draft_share"] for b, m in measured.items() if m["draft_share"]},
+            "per_prompt_batch1": measured.get(1, {}).get("per_prompt"),
             "same_tokens": all(m["tokens"] == greedy[b]["tokens"] for b, m in measured.items()),
         })
     table = format_table(rows, batches)
     print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token held-out prompts, "
-          f"{args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs\n")
+          f"{args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs; batch 1: median over "
+          f"{args.batch1_prompts} prompts run alone")
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spinning)')}, torch threads "
+          f"{torch.get_num_threads()}; compiled graphs' thread counts: {threads}\n")
     print(table)
     out = Path(args.run_dir, "bench")
     out.mkdir(parents=True, exist_ok=True)

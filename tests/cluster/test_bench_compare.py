@@ -23,12 +23,22 @@ def test_bench_compare_prints_the_table_with_identical_tokens(tmp_path, capsys, 
 
 
 @pytest.mark.slow
-def test_one_worker_runs_compiled_and_eager_side_by_side(tmp_path):
+def test_one_worker_runs_compiled_and_eager_side_by_side(tmp_path, capsys):
     assert compare.main(["--batch-sizes", "1", "--workers", "1", "--new-tokens", "6", "--repeats", "1",
-                         "--run-dir", str(tmp_path)]) == 0
+                         "--batch1-prompts", "2", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "OMP_WAIT_POLICY=" in out and "'draft (4, True)'" in out  # the draft's graphs report their threads
     rows = {r["system"]: r for r in json.loads((tmp_path / "bench" / "compare.json").read_text())}
+    # Batch 1 is the median over 2 prompts, each run alone.
+    assert all(len(r["per_prompt_batch1"]) == 2 for r in rows.values())
     assert set(rows) == {compare.HF_GREEDY, compare.HF_LOOKUP, "warpspec", "warpspec + EAGLE-3 (k=3)",
                          "warpspec eager", "warpspec eager + EAGLE-3 (k=3)"}
     assert all(r["same_tokens"] for r in rows.values())
     for name in ("warpspec + EAGLE-3 (k=3)", "warpspec eager + EAGLE-3 (k=3)"):
         assert 0 < rows[name]["draft_share"]["1"] < 1
+
+
+@pytest.mark.parametrize("value", ["0", "17"])
+def test_batch1_prompts_out_of_range_is_refused(value):
+    with pytest.raises(SystemExit, match="--batch1-prompts: between 1 and 16"):
+        compare.main(["--batch1-prompts", value])
