@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
     parser.add_argument("--run-dir", default="runs")
     args = parser.parse_args(argv)
+    Path(args.run_dir).mkdir(parents=True, exist_ok=True)  # a new run folder is fine, as elsewhere
     rows = []
     for name, draft in (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)):
         run_dir = Path(tempfile.mkdtemp(prefix="compile-", dir=Path(args.run_dir).resolve()))
