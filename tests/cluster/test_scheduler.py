@@ -12,8 +12,7 @@ from warpspec.sequence import Sequence
 
 
 def _seq(request_id: str, prompt: list[int], prompt_logprobs: int | None = None) -> Sequence:
-    return Sequence(request_id, None, prompt, SamplingParams(prompt_logprobs=prompt_logprobs),
-                    torch.Generator(), None)
+    return Sequence(request_id, None, prompt, SamplingParams(prompt_logprobs=prompt_logprobs), torch.Generator())
 
 
 def _run(scheduler: Scheduler):
