@@ -100,7 +100,7 @@ class CompiledStepRunner:
         self.block_size = block_size
         self.max_blocks = -(-config.max_model_len // block_size)
         self.compiled = CountingCompiler(self._forward)
-        # (query length, one sequence) -> the thread count its graph runs fastest with (choose_threads)
+        # (query length, one sequence) -> the thread count its graph runs fastest with (set_threads)
         self.thread_counts: dict[tuple[int, bool], int] = {}
 
     @property

@@ -3,7 +3,7 @@ start-up.
 
 A step of a small model is a few dozen parallel regions (GEMM calls and fused loops) of microseconds
 each. Whether more threads pay depends on how OpenMP threads wait between regions, which torch cannot
-see. Measured on the bundled target's batch-1 decode step on 2 cores:
+see. Measured decoding the bundled target at batch 1 on 2 cores:
 - spinning (libgomp's default): threads start a region at once, and 2 threads run the step 1.45x
   faster than 1;
 - sleeping (OMP_WAIT_POLICY=PASSIVE, what a machine shared with other processes needs): each region
