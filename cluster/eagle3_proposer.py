@@ -126,14 +126,26 @@ class Eagle3Proposer:
 
     def _run_compiled(self, compiled: CompiledWithFallback, step: StepInput,
                       features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self._compiled_inputs(step, features)
+        with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
+            return compiled(*inputs)
+
+    @staticmethod
+    def _compiled_inputs(step: StepInput, features: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The arguments of _decode_forward / _catch_up_forward: block tables widened, the varying
+        sizes marked dynamic (workers/compiled_step.py)."""
         block_tables = widen_block_tables(step.block_tables)
         inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                   step.slot_mapping)
         mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
-        graph = (step.max_query_len, len(step.seq_lens) == 1)
-        with torch_threads(self.thread_counts.get(graph, torch.get_num_threads())):
-            return compiled(*inputs)
+        return inputs
 
+    @staticmethod
+    def _graph_of(step: StepInput) -> tuple[int, bool]:
+        return step.max_query_len, len(step.seq_lens) == 1
+
+    # Two entry points over _uniform_forward, not one with the query length as an argument: each
+    # has its own code object, so each CountingCompiler counts only its own graphs.
     def _decode_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables, slot_mapping):
         """One token per request, logits for each: the draft's whole step."""
         return self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens, block_tables,
@@ -170,10 +182,9 @@ class Eagle3Proposer:
                 step = StepInput.build([SequenceStep([0] * query_len, 0, table, 0)] * num_requests,
                                        self.block_size).to(self.device)
                 features = torch.zeros(step.input_ids.shape[0], width, dtype=self.draft.fc.dtype, device=self.device)
-                inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens,
-                          widen_block_tables(step.block_tables), step.slot_mapping)
-                graph = (query_len, num_requests == 1)
-                self.thread_counts[graph], _ = fastest_thread_count(lambda inputs=inputs, eager=eager: eager(*inputs))
+                inputs = self._compiled_inputs(step, features)
+                self.thread_counts[self._graph_of(step)], _ = fastest_thread_count(
+                    lambda inputs=inputs, eager=eager: eager(*inputs))
                 self._run_compiled(compiled, step, features)
         prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, table, 2 * self.catch_up_len - 1)]
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
