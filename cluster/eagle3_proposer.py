@@ -19,6 +19,13 @@ to k + 1 positions, repeating the last token and feature, so every request's loo
 graph serves any mix of acceptances. The padded positions lie past the last known token, where
 drafts write scratch KV anyway: their KV and logits are never read. A catch-up over more positions (a
 prompt, or a recompute after preemption) runs eagerly, with its dense halves compiled.
+
+When every request drafts greedily and wants all k drafts (the steady state of greedy serving), the
+padded catch-up, the k - 1 steps after it and the argmax between them are one compiled graph: a
+draft step costs a few hundred microseconds here, and each separate graph call adds its guards, its
+thread switch and the Python that builds its inputs. Each step's position, slot and context length
+follow from the catch-up's inside the graph. Sampled drafts draw from per-request generators on the
+host, so they keep one graph per step.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ import torch
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import exponential_noise
-from warpspec.workers.compiled_step import CountingCompiler, mark_step_dynamic, widen_block_tables
+from warpspec.workers.compiled_step import MIN_BLOCKS, CountingCompiler, mark_step_dynamic, widen_block_tables
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput
+
+GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
 
 
 class CompiledWithFallback:
@@ -82,8 +91,11 @@ class Eagle3Proposer:
         self.compiled_decode: CompiledWithFallback | None = None
         self.catch_up_compiler: CountingCompiler | None = None
         self.compiled_catch_up: CompiledWithFallback | None = None
-        # (query length, one request) -> the thread count its graph runs with (workers/cpu_threads.py)
-        self.thread_counts: dict[tuple[int, bool], int] = {}
+        self.greedy_proposal_compiler: CountingCompiler | None = None
+        self.compiled_greedy_proposal: CompiledWithFallback | None = None
+        # (graph, one request) -> the thread count it runs with (workers/cpu_threads.py); the graph is
+        # the query length of a step graph, or GREEDY_PROPOSAL.
+        self.thread_counts: dict[tuple[int | str, bool], int] = {}
         if compile and not deterministic:
             # The dense halves around attention take only tensors whose one varying size is the token
             # count, so one dynamic-shape graph serves every step.
@@ -98,36 +110,58 @@ class Eagle3Proposer:
                 self.catch_up_compiler = CountingCompiler(self._catch_up_forward)
                 self.compiled_catch_up = CompiledWithFallback(self._catch_up_forward, "the EAGLE-3 draft's catch-up",
                                                               compiled=self.catch_up_compiler)
+                self.greedy_proposal_compiler = CountingCompiler(self._greedy_proposal_forward)
+                self.compiled_greedy_proposal = CompiledWithFallback(
+                    self._greedy_proposal_forward, "the EAGLE-3 draft's greedy proposal",
+                    compiled=self.greedy_proposal_compiler)
 
     def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = StepInput.build(plan, self.block_size).to(self.device)
         if self.compiled_decode is not None and step.max_query_len == 1:
-            logits, prenorm = self._run_compiled(self.compiled_decode, step, features)
+            logits, prenorm = self._run_compiled(self.compiled_decode, self._compiled_inputs(step, features),
+                                                 self._graph_of(step))
         else:
             meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
                                           step.max_query_len, step.max_seq_len)
             logits, prenorm = self.draft(step.input_ids, features, step.positions, step.slot_mapping, meta)
         return logits[step.logits_indices], prenorm[step.logits_indices]
 
-    def _run_padded_catch_up(self, requests: list[DraftRequest], features: torch.Tensor,
-                             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every request's catch-up padded to catch_up_len positions (module docstring), as one compiled
-        step; the logits and pre-norm output at the last real position of each request that wants
-        drafts (as _run returns them)."""
+    def _padded_catch_up(self, requests: list[DraftRequest], features: torch.Tensor, tables: list[list[int]],
+                         ) -> tuple[StepInput, torch.Tensor, torch.Tensor]:
+        """Every request's catch-up padded to catch_up_len positions (module docstring): the step, its
+        feature rows, and the row of each request's last real position."""
         n = self.catch_up_len
         plan = [SequenceStep(r.token_ids + r.token_ids[-1:] * (n - r.num_positions), r.first_position, table, 0)
                 for r, table in zip(requests, tables, strict=True)]
         rows = torch.tensor([r.feature_start + min(j, r.num_positions - 1) for r in requests for j in range(n)])
+        last = torch.tensor([i * n + r.num_positions - 1 for i, r in enumerate(requests)], dtype=torch.long)
         step = StepInput.build(plan, self.block_size).to(self.device)
-        logits, prenorm = self._run_compiled(self.compiled_catch_up, step, features[rows.to(self.device)])
-        last = torch.tensor([i * n + r.num_positions - 1 for i, r in enumerate(requests) if r.num_drafts],
-                            device=self.device, dtype=torch.long)
-        return logits[last], prenorm[last]
+        return step, features[rows.to(self.device)], last.to(self.device)
 
-    def _run_compiled(self, compiled: CompiledWithFallback, step: StepInput,
-                      features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = self._compiled_inputs(step, features)
-        with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
+    def _run_padded_catch_up(self, requests: list[DraftRequest], features: torch.Tensor,
+                             tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded catch-up as one compiled step; the logits and pre-norm output at the last real
+        position of each request that wants drafts (as _run returns them)."""
+        step, features, last = self._padded_catch_up(requests, features, tables)
+        logits, prenorm = self._run_compiled(self.compiled_catch_up, self._compiled_inputs(step, features),
+                                             self._graph_of(step))
+        wants_drafts = torch.tensor([bool(r.num_drafts) for r in requests], device=self.device)
+        return logits[last[wants_drafts]], prenorm[last[wants_drafts]]
+
+    def _run_greedy_proposal(self, requests: list[DraftRequest], features: torch.Tensor,
+                             tables: list[list[int]]) -> list[list[int]]:
+        """Every request's k greedy drafts (target ids) from one compiled graph (module docstring)."""
+        step, features, last = self._padded_catch_up(requests, features, tables)
+        # The whole tables, not the catch-up's: the steps after it write up to k - 1 positions further.
+        full_tables = torch.zeros(len(tables), max(MIN_BLOCKS, max(map(len, tables))), dtype=torch.int32)
+        for row, table in enumerate(tables):
+            full_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        inputs = self._greedy_proposal_inputs(step, features, full_tables.to(self.device), last)
+        return self._run_compiled(self.compiled_greedy_proposal, inputs, (GREEDY_PROPOSAL, len(requests) == 1)).tolist()
+
+    def _run_compiled(self, compiled: CompiledWithFallback, inputs: tuple[torch.Tensor, ...],
+                      graph: tuple[int | str, bool]):
+        with torch_threads(self.thread_counts.get(graph, torch.get_num_threads())):
             return compiled(*inputs)
 
     @staticmethod
@@ -137,6 +171,15 @@ class Eagle3Proposer:
         block_tables = widen_block_tables(step.block_tables)
         inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                   step.slot_mapping)
+        mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
+        return inputs
+
+    @staticmethod
+    def _greedy_proposal_inputs(step: StepInput, features: torch.Tensor, block_tables: torch.Tensor,
+                                last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The arguments of _greedy_proposal_forward, the varying sizes marked dynamic."""
+        inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
+                  step.slot_mapping, last)
         mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
         return inputs
 
@@ -157,6 +200,25 @@ class Eagle3Proposer:
         return self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens, block_tables,
                                      slot_mapping, self.catch_up_len)
 
+    def _greedy_proposal_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables,
+                                 slot_mapping, last_rows):
+        """The padded catch-up (last_rows: each request's last real row), then k - 1 single-token
+        steps, each on the argmax of the one before: [num_requests, k] drafts as target ids. A
+        step's position is the one after the last; its slot and context length follow from it."""
+        logits, prenorm = self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens,
+                                                block_tables, slot_mapping, self.catch_up_len)
+        logits, prenorm, position = logits[last_rows], prenorm[last_rows], positions[last_rows]
+        one_token_each = torch.arange(last_rows.shape[0] + 1, device=last_rows.device)
+        drafts = [self.draft.to_target_ids(logits.argmax(dim=-1))]
+        for _ in range(self.catch_up_len - 2):
+            position = position + 1
+            block = block_tables.gather(1, (position // self.block_size)[:, None])[:, 0].long()
+            slot = block * self.block_size + position % self.block_size
+            logits, prenorm = self._uniform_forward(drafts[-1], prenorm, position, one_token_each, position + 1,
+                                                    block_tables, slot, 1)
+            drafts.append(self.draft.to_target_ids(logits.argmax(dim=-1)))
+        return torch.stack(drafts, dim=1)
+
     def _uniform_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
                          query_len: int):
         meta = PagedAttentionMetadata(query_start_loc, seq_lens, block_tables, self.block_size, query_len,
@@ -166,26 +228,35 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Build the compiled graphs before the first request needs them: the padded catch-up and the
-        decode step, each for one request and for two, with the thread count that runs the step
-        fastest eagerly (chosen first: a graph guards on the count it was built with); then the
-        dense halves a prompt's catch-up runs. The steps write into the first blocks, which no
-        request holds yet."""
+        """Build the compiled graphs before the first request needs them: the padded catch-up, the
+        decode step and the greedy proposal, each for one request and for two, with the thread count
+        that runs it fastest eagerly (chosen first: a graph guards on the count it was built with);
+        then the dense halves a prompt's catch-up runs. The steps write into the first blocks, which
+        no request holds yet."""
         if self.compiled_decode is None:
             return
         target_width = 3 * self.draft.config.target_hidden_size
         table = list(range(-(-2 * self.catch_up_len // self.block_size)))
-        for query_len, compiled, eager, width in (
-                (self.catch_up_len, self.compiled_catch_up, self._catch_up_forward, target_width),
-                (1, self.compiled_decode, self._decode_forward, self.draft.config.hidden_size)):
-            for num_requests in (1, 2):
-                step = StepInput.build([SequenceStep([0] * query_len, 0, table, 0)] * num_requests,
+        for num_requests in (1, 2):
+            one = num_requests == 1
+            catch_up = StepInput.build([SequenceStep([0] * self.catch_up_len, 0, table, 0)] * num_requests,
                                        self.block_size).to(self.device)
-                features = torch.zeros(step.input_ids.shape[0], width, dtype=self.draft.fc.dtype, device=self.device)
-                inputs = self._compiled_inputs(step, features)
-                self.thread_counts[self._graph_of(step)], _ = fastest_thread_count(
-                    lambda inputs=inputs, eager=eager: eager(*inputs))
-                self._run_compiled(compiled, step, features)
+            decode = StepInput.build([SequenceStep([0], 0, table, 0)] * num_requests, self.block_size).to(self.device)
+            catch_up_features = torch.zeros(catch_up.num_tokens, target_width, dtype=self.draft.fc.dtype,
+                                            device=self.device)
+            decode_features = torch.zeros(num_requests, self.draft.config.hidden_size, dtype=self.draft.fc.dtype,
+                                          device=self.device)
+            last = torch.arange(1, num_requests + 1, device=self.device) * self.catch_up_len - 1
+            full_tables = widen_block_tables(torch.tensor([table] * num_requests, dtype=torch.int32)).to(self.device)
+            for graph, compiled, eager, inputs in (
+                    ((self.catch_up_len, one), self.compiled_catch_up, self._catch_up_forward,
+                     self._compiled_inputs(catch_up, catch_up_features)),
+                    ((1, one), self.compiled_decode, self._decode_forward,
+                     self._compiled_inputs(decode, decode_features)),
+                    ((GREEDY_PROPOSAL, one), self.compiled_greedy_proposal, self._greedy_proposal_forward,
+                     self._greedy_proposal_inputs(catch_up, catch_up_features, full_tables, last))):
+                self.thread_counts[graph], _ = fastest_thread_count(lambda inputs=inputs, eager=eager: eager(*inputs))
+                self._run_compiled(compiled, inputs, graph)
         prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, table, 2 * self.catch_up_len - 1)]
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
                                       device=self.device))
@@ -253,6 +324,8 @@ class Eagle3Proposer:
         padded = (self.compiled_catch_up is not None
                   and all(r.num_positions <= self.catch_up_len for r in requests))
         tables = self._with_scratch(requests, padded)
+        if padded and all(r.temperature == 0 and r.num_drafts == self.catch_up_len - 1 for r in requests):
+            return [Drafts(tokens) for tokens in self._run_greedy_proposal(requests, features, tables)]
         if padded:
             logits, prenorm = self._run_padded_catch_up(requests, features, tables)
         else:

@@ -1,6 +1,7 @@
 """The EAGLE-3 proposer's compiled CPU steps propose what its eager steps propose: the catch-up,
 padded to k + 1 positions whatever each request accepted, and the single-token steps after it, for
-one request and for several, greedy and sampled. Built at warm-up, they compile nothing after."""
+one request and for several, greedy and sampled; and, when every request drafts greedily, the one
+graph that runs them all. Built at warm-up, they compile nothing after."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
-from warpspec.eagle3_proposer import Eagle3Proposer
+from warpspec.eagle3_proposer import GREEDY_PROPOSAL, Eagle3Proposer
 from warpspec.keyed_random import KeyedRandom
 from warpspec.proposer import DraftRequest
 from warpspec.workers.eagle3 import load_eagle3
@@ -62,21 +63,28 @@ def test_the_compiled_catch_up_and_draft_steps_propose_the_eager_drafts(proposer
     # After one verification each request accepted a different number of drafts (0, 3, 1): its
     # catch-up covers 1, 4 or 2 positions of its k + 1 verified rows.
     steps.append((_requests(prompts, [1, 4, 2], temperatures, [K + 1] * 3, tables), _features(3 * (K + 1), hidden, 1)))
-    # One request alone (its own graph), then two.
+    # One request alone (its own graph), then two; greedy alone, then beside a sampled one.
     steps.append((_requests([10], [3], [0.0], [K + 1], tables[:1]), _features(K + 1, hidden, 2)))
     steps.append((_requests([10, 13], [2, 4], [0.8, 0.0], [K + 1] * 2, tables[1:]), _features(2 * (K + 1), hidden, 3)))
-    compiles = compiled.catch_up_compiler.num_compiles + compiled.decode_compiler.num_compiles
+    steps.append((_requests([12, 17], [4, 1], [0.0, 0.0], [K + 1] * 2, tables[1:]), _features(2 * (K + 1), hidden, 4)))
+    compilers = (compiled.catch_up_compiler, compiled.decode_compiler, compiled.greedy_proposal_compiler)
+    compiles = sum(c.num_compiles for c in compilers)
     for number, (requests, aux) in enumerate(steps):
-        calls = compiled.catch_up_compiler.num_calls
+        calls = compiled.catch_up_compiler.num_calls, compiled.greedy_proposal_compiler.num_calls
         want, got = eager.propose(requests, aux), compiled.propose(requests, aux)
-        # Compiled exactly when every catch-up fits k + 1 positions.
-        assert compiled.catch_up_compiler.num_calls == calls + (number > 0)
+        # Compiled exactly when every catch-up fits k + 1 positions: as one graph with the draft
+        # steps when every request is greedy, else the catch-up's own.
+        greedy = all(r.temperature == 0 for r in requests)
+        assert compiled.catch_up_compiler.num_calls == calls[0] + (number > 0 and not greedy)
+        assert compiled.greedy_proposal_compiler.num_calls == calls[1] + (number > 0 and greedy)
         for w, g in zip(want, got, strict=True):
             assert len(g.token_ids) == K and g.token_ids == w.token_ids
             assert (w.probs is None) == (g.probs is None)
             if w.probs is not None:
                 torch.testing.assert_close(g.probs, w.probs, atol=1e-5, rtol=1e-4)
-    assert not compiled.compiled_catch_up.failed and not compiled.compiled_decode.failed
+    assert not any(c.failed for c in (compiled.compiled_catch_up, compiled.compiled_decode,
+                                      compiled.compiled_greedy_proposal))
     assert compiled.decode_compiler.num_calls > 0
-    assert compiled.catch_up_compiler.num_compiles + compiled.decode_compiler.num_compiles == compiles
-    assert set(compiled.thread_counts) == {(K + 1, True), (K + 1, False), (1, True), (1, False)}
+    assert sum(c.num_compiles for c in compilers) == compiles
+    graphs = (K + 1, 1, GREEDY_PROPOSAL)
+    assert set(compiled.thread_counts) == {(graph, one) for graph in graphs for one in (True, False)}

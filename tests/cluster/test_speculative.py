@@ -195,9 +195,12 @@ def test_compiled_draft_is_still_lossless(target, draft, reference):
         outs = llm.generate(_prompts(), GREEDY)
         proposer = llm.engine.proposer
         assert not proposer.draft.before_attention.failed  # it really ran compiled
-        # The single-token draft steps ran as one graph each for one request and for more.
+        # The single-token draft steps ran as one graph each for one request and for more; greedy
+        # drafting ran the whole proposal as one graph while every request wanted all k drafts.
         assert not proposer.compiled_decode.failed and proposer.decode_compiler.num_calls > 0
         assert proposer.decode_compiler.num_compiles <= 2
+        assert not proposer.compiled_greedy_proposal.failed and proposer.greedy_proposal_compiler.num_calls > 0
+        assert proposer.greedy_proposal_compiler.num_compiles <= 2
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
 
 
