@@ -232,7 +232,8 @@ class Eagle3Proposer:
         decode step and the greedy proposal, each for one request and for two, with the thread count
         that runs it fastest eagerly (chosen first: a graph guards on the count it was built with);
         then the dense halves a prompt's catch-up runs. The steps write into the first blocks, which
-        no request holds yet."""
+        no request holds yet. Then the step graphs check only the guards that tell them apart
+        (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
         target_width = 3 * self.draft.config.target_hidden_size
@@ -260,6 +261,8 @@ class Eagle3Proposer:
         prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, table, 2 * self.catch_up_len - 1)]
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
                                       device=self.device))
+        for compiler in (self.catch_up_compiler, self.decode_compiler, self.greedy_proposal_compiler):
+            compiler.seal()
 
     def _choose(self, logits: torch.Tensor, requests: list[DraftRequest],
                 step: int) -> tuple[list[int], torch.Tensor | None]:

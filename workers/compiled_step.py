@@ -54,11 +54,20 @@ class CountingCompiler:
     """torch.compile with inductor that counts the graphs it builds and the calls it serves (tests
     hold a generation to them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic)
     stay symbolic. A graph another instance built for the same code, with every guard passing (a
-    model of the same shapes), serves this one too without counting as a compile here."""
+    model of the same shapes), serves this one too without counting as a compile here.
+
+    After `seal()` (its owner's warm-up built every graph it will call), a call checks only the
+    guards that told its graphs apart while they were built (torch's skip_guard_eval_unsafe, the
+    guard bypass vLLM's compiled models use too). Evaluating every guard, one per parameter, size
+    and global the graph reads, cost ~0.1 ms of a 1.4 ms decode step of the bundled target. Only
+    while every graph cached for the code is this instance's own: the differences to a graph that
+    another model built for the same code were never checked, so then each call checks all."""
 
     def __init__(self, fn):
         self.num_compiles = 0
         self.num_calls = 0
+        self.code = getattr(fn, "__func__", fn).__code__
+        self.sealed = False
         self.compiled = torch.compile(fn, backend=self._inductor, dynamic=False)
 
     def _inductor(self, graph_module, example_inputs):
@@ -67,9 +76,23 @@ class CountingCompiler:
         self.num_compiles += 1
         return compile_fx(graph_module, example_inputs)
 
+    def seal(self) -> None:
+        self.sealed = True
+
     def __call__(self, *args):
         self.num_calls += 1
+        if self.sealed and self.owns_every_graph():
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self.compiled(*args)
         return self.compiled(*args)
+
+    def owns_every_graph(self) -> bool:
+        """Whether every graph dynamo holds for this code was built by this instance."""
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        except ImportError:  # a torch without it: check every guard
+            return False
+        return len(_debug_get_cache_entry_list(self.code)) == self.num_compiles
 
 
 def widen_block_tables(block_tables: torch.Tensor) -> torch.Tensor:

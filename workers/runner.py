@@ -80,13 +80,15 @@ class ModelRunner:
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
         request waits for them (CompiledStepRunner.warm_up_steps), each with the thread count that
-        runs its step fastest eagerly; nothing to do otherwise."""
+        runs its step fastest eagerly; then steps check only the guards that tell the graphs apart
+        (CountingCompiler.seal). Nothing to do otherwise."""
         if isinstance(self.graph_runner, CompiledStepRunner):
             for step in self.graph_runner.warm_up_steps(aux_layer_ids):
                 with torch.inference_mode():
                     count, _ = fastest_thread_count(lambda step=step: self._eager_forward(step))
                 self.graph_runner.set_threads(step, count)
                 self.execute(step)
+            self.graph_runner.compiled.seal()
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

@@ -3,7 +3,10 @@ cache included), and that the graphs are built at start-up and never again."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,6 +117,49 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
                 assert graph_runner.num_compiled_steps == 2 + 2 * 199
                 assert graph_runner.num_compiles == warm_compiles
     assert tokens[False] == tokens[True]
+
+
+# Run in a fresh process: every compiled test in this one adds graphs for the same code, and a runner
+# checks only the distinguishing guards while every graph for its code is its own.
+SEALED_RUN = """
+import json, sys
+from warpspec import LLM, SamplingParams
+first, second, run_dir = sys.argv[1:]
+params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+prompts = [[5, 9, 13], [7, 11, 3, 8, 21, 30]]
+options = dict(dtype="float32", block_size=4, enforce_eager=False, run_dir=run_dir, cuda_graph_batch_sizes=(1, 2))
+with LLM(first, **options) as llm:
+    runner = llm.engine.executor.runner.graph_runner
+    compiles, owned = runner.num_compiles, runner.compiled.sealed and runner.compiled.owns_every_graph()
+    alone = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
+    built = runner.num_compiles - compiles
+    with LLM(second, **options) as other:  # another model's graphs for the same code
+        other.generate(prompts[:1], params)
+        shared = runner.compiled.owns_every_graph()
+        after = [o.token_ids for o in llm.generate(prompts, params)]
+print(json.dumps(dict(owned=owned, built=built, shared=shared, alone=alone, after=after)))
+"""
+
+
+@pytest.mark.slow
+def test_after_start_up_steps_check_only_the_distinguishing_guards_and_emit_the_eager_tokens(checkpoint, tmp_path):
+    other = make_text_checkpoint(tmp_path / "other", hidden_size=32, head_dim=8)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[5, 9, 13], [7, 11, 3, 8, 21, 30]]
+    with LLM(str(checkpoint), dtype="float32", block_size=BLOCK, enforce_eager=True) as llm:
+        eager = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WARPSPEC_ENFORCE_EAGER", "TORCHINDUCTOR_CACHE_DIR")}
+    run = subprocess.run([sys.executable, "-c", SEALED_RUN, str(checkpoint), str(other), str(tmp_path / "run")],
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    # Sealed at start-up, owning every graph: batch 1 and batch 2 decode picked by size alone, with
+    # nothing built after start-up, and the eager tokens.
+    assert result["owned"] and result["built"] == 0
+    assert result["alone"] == eager[:1] + eager[1:]
+    # Another model's graphs for the same code: each step checks every guard again, and is still right.
+    assert not result["shared"]
+    assert result["after"] == eager[1:]
 
 
 class ThreadRecorder:
