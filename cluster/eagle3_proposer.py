@@ -36,7 +36,7 @@ import torch
 
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
-from warpspec.sampler import exponential_noise
+from warpspec.sampler import exponential_noise, greedy_tokens
 from warpspec.workers.compiled_step import MIN_BLOCKS, CountingCompiler, mark_step_dynamic, widen_block_tables
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.eagle3 import Eagle3Draft
@@ -270,7 +270,7 @@ class Eagle3Proposer:
         id, and the target-vocab distributions they were drawn from (None when every request is
         greedy or coupled: verification then needs only the tokens)."""
         if all(r.temperature == 0 for r in requests):
-            return self.draft.to_target_ids(logits.argmax(dim=-1)).tolist(), None
+            return self.draft.to_target_ids(greedy_tokens(logits)).tolist(), None
         # Sampling happens on the CPU with per-request keyed generators (seeded requests reproduce on
         # any device); the distributions are a few thousand floats per request.
         logits = logits.float().cpu()
@@ -282,9 +282,9 @@ class Eagle3Proposer:
             # Coupled: the target's own noise row at this position, read at the draft vocabulary's ids.
             exponential_noise([r.draft_generator(step)], target_vocab)[0, target_ids] if r.coupled
             else exponential_noise([r.draft_generator(step)], logits.shape[-1])[0] for r in requests])
-        choice = (draft_probs / noise).argmax(dim=-1)  # the exponential race of sampler.sample_from
+        choice = greedy_tokens(draft_probs / noise)  # the exponential race of sampler.sample_from
         greedy = torch.tensor([r.temperature == 0 for r in requests])
-        choice = torch.where(greedy, logits.argmax(dim=-1), choice)
+        choice = torch.where(greedy, greedy_tokens(logits), choice)
         probs = None
         if not all(r.coupled or r.temperature == 0 for r in requests):
             probs = torch.zeros(len(requests), target_vocab)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from warpspec.keyed_random import KeyedRandom, Purpose
-from warpspec.sampler import exponential_noise, sample_from, sampling_probs
+from warpspec.sampler import exponential_noise, greedy_tokens, sample_from, sampling_probs
 from warpspec.sampling_params import SamplingParams
 
 
@@ -48,13 +48,11 @@ def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: 
     final = torch.zeros(num_seqs, dtype=torch.long, device=device)
 
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    if greedy:
+    if len(greedy) == num_seqs:  # the common batch: no rows to pick out
+        accepted, final = _verify_greedy(target_logits, rows, drafts, is_draft)
+    elif greedy:
         g = torch.tensor(greedy, device=device)
-        choices = target_logits[rows[g]].argmax(dim=-1)  # [num_greedy, k_max + 1]
-        matches = (drafts[g] == choices[:, :k_max]) & is_draft[g]
-        # Accepted = the length of the leading run of matches: [1, 1, 0, 1] -> 2.
-        accepted[g] = matches.long().cumprod(dim=-1).sum(dim=-1)
-        final[g] = choices.gather(1, accepted[g][:, None])[:, 0]
+        accepted[g], final[g] = _verify_greedy(target_logits, rows[g], drafts[g], is_draft[g])
 
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
@@ -67,6 +65,18 @@ def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: 
                                                [randoms[i] for i in sampled], [positions[i] for i in sampled])
 
     return [d[:a] + [t] for d, a, t in zip(draft_ids, accepted.tolist(), final.tolist(), strict=True)]
+
+
+def _verify_greedy(target_logits: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor,
+                   is_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept the leading run of drafts equal to the target's argmax, then emit its argmax there.
+    rows [num_seqs, k_max + 1] index target_logits; drafts and is_draft [num_seqs, k_max]."""
+    k_max = drafts.shape[1]
+    choices = greedy_tokens(target_logits[rows])  # [num_seqs, k_max + 1]
+    matches = (drafts == choices[:, :k_max]) & is_draft
+    # Accepted = the length of the leading run of matches: [1, 1, 0, 1] -> 2.
+    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, choices.gather(1, accepted[:, None])[:, 0]
 
 
 def _verify_by_rejection(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor,
@@ -114,7 +124,7 @@ def _verify_coupled(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tenso
     generators = [random.generator(first + min(j, k), Purpose.SAMPLE)
                   for random, first, k in zip(randoms, positions, num_drafts, strict=True) for j in range(k_max + 1)]
     noise = exponential_noise(generators, vocab).to(p.device).view(num_seqs, k_max + 1, vocab)
-    choices = (p / noise).argmax(dim=-1)  # [num_seqs, k_max + 1], sample_from's race row by row
+    choices = greedy_tokens(p / noise)  # [num_seqs, k_max + 1], sample_from's race row by row
     matches = (drafts == choices[:, :k_max]) & is_draft
     accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
     return accepted, choices.gather(1, accepted[:, None])[:, 0]
