@@ -32,12 +32,15 @@ class ShardWorkerActor:
 
 # The coordinator is rank 0 as well: coordinator_options gives it bundle 0's CPU or GPU. The core's
 # loop holds a thread of its own ("core") for the actor's life; the other calls (the replica's
-# messages, timings, shutdown) run beside it, one at a time.
+# messages, timings, shutdown) run beside it, one at a time. `start` runs on the core's thread too, so
+# that loading and warming rank 0 up and stepping it compute from one thread: a second thread's
+# OpenMP pool made every step ~3.7x slower on 2 cores (workers/cpu_threads.py).
 @ray.remote(concurrency_groups={"core": 1})
 class CoordinatorActor:
     def __init__(self):
         self.coordinator: Coordinator | None = None
 
+    @ray.method(concurrency_group="core")
     def start(self, config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0) -> ReplicaInfo:
         self.coordinator = Coordinator(config, placement_group, first_bundle)
         return self.coordinator.info()

@@ -32,6 +32,7 @@ from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
 from warpspec.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.workers.cpu_threads import in_a_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +62,10 @@ class AsyncLLM:
 
     @classmethod
     async def create(cls, model: str, **options: Any) -> AsyncLLM:
-        """from_options, built in a thread: loading weights and starting Ray workers block for seconds."""
-        return await asyncio.to_thread(cls.from_options, model, **options)
+        """from_options, built in a thread: loading weights and starting Ray workers block for seconds.
+        The thread ends once the engine is built: an in-process engine then steps on the event loop's
+        thread, the only one that computes (workers/cpu_threads.py says why that matters)."""
+        return await in_a_passing_thread(cls.from_options, model, **options)
 
     @property
     def tokenizer(self):
@@ -161,7 +164,7 @@ class AsyncLLM:
             await self._stop_loop()  # it steps the old engine
             old, self.reader = self.engine, None  # the old reader ends with the old engine's stream
             await asyncio.to_thread(old.shutdown)
-            self.engine = await asyncio.to_thread(make_engine, self.config)
+            self.engine = await in_a_passing_thread(make_engine, self.config)
         finally:
             self.is_rebuilding = False
 

@@ -12,15 +12,27 @@ see. Measured decoding the bundled target at batch 1 on 2 cores:
 So each compiled graph runs with the count that ran its step fastest eagerly, timed at start-up (the
 eager step has the same many short regions; a graph guards on the thread count it was built with).
 Eager steps (prefill chunks, large batches) keep torch's count: their regions are long.
+
+Which thread computes matters too. OpenMP (libgomp) keeps a pool of worker threads for every thread
+that has run a parallel region, for as long as that thread lives; once a process holds more of them
+than it has CPUs, every pool's waits become sleeps, as under PASSIVE. Built in one thread and stepped
+in another, an engine of 2 threads on 2 cores decoded the bundled target at 186 tok/s instead of
+685 (a [64, 512] softmax: 75 us instead of 10). So an engine computes from one thread for its life,
+or is built in a thread that ends once it is built (in_a_passing_thread), taking its pool with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 TIMED_RUNS = 5  # per candidate, interleaved; the minimum is kept (noise only ever adds time)
 
@@ -67,3 +79,11 @@ def fastest_thread_count(run: Callable[[], object], most: int | None = None) -> 
                     run()
                     best[count] = min(best[count], time.perf_counter() - start)
     return min(counts, key=best.__getitem__), best
+
+
+async def in_a_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """await fn(*args, **kwargs) run in a new thread that ends when fn returns (asyncio.to_thread's
+    threads outlive the call, and with them the OpenMP pool of whatever they computed: see the
+    module docstring)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="warpspec-build") as pool:
+        return await asyncio.wrap_future(pool.submit(fn, *args, **kwargs))

@@ -3,13 +3,22 @@ chosen count is restored after the block that ran with it."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
 import time
 
 import pytest
 import torch
 
 from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.cpu_threads import TIMED_RUNS, candidate_thread_counts, fastest_thread_count, torch_threads
+from warpspec.workers.cpu_threads import (
+    TIMED_RUNS,
+    candidate_thread_counts,
+    fastest_thread_count,
+    in_a_passing_thread,
+    torch_threads,
+)
 
 
 @pytest.mark.parametrize("most,counts", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
@@ -45,3 +54,41 @@ def test_timing_runs_compiled_functions_eagerly():
     x = torch.randn(8)
     fastest_thread_count(lambda: compiled(x), most=2)
     assert compiled.num_compiles == 0 and compiled.num_calls == 2 * TIMED_RUNS
+
+
+def _num_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_passing_thread_ends_with_its_openmp_pool():
+    """Built in a thread that then ends, an engine leaves no second OpenMP pool behind to slow the
+    thread that steps it (workers/cpu_threads.py), while the event loop that built it lives on."""
+    torch.randn(64, 4096).softmax(-1)  # this thread's own pool, if it had none yet
+    before = _num_threads()
+
+    def compute():
+        with torch_threads(2):
+            torch.randn(64, 4096).softmax(-1)  # a parallel region: this thread gets a pool of its own
+        return threading.current_thread(), _num_threads()
+
+    async def build_then_serve():
+        thread, during = await in_a_passing_thread(compute)
+        deadline = time.monotonic() + 5
+        while _num_threads() > before and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the pool's workers exit as their master does
+        return thread, during, _num_threads()
+
+    thread, during, after = asyncio.run(build_then_serve())
+    assert not thread.is_alive() and thread is not threading.current_thread()
+    assert during > before  # the thread itself, and its pool's worker
+    assert after == before
+
+
+def test_a_passing_thread_returns_the_value_and_raises_the_error():
+    assert asyncio.run(in_a_passing_thread(lambda a, b=0: a + b, 2, b=3)) == 5
+
+    def fail():
+        raise ValueError("bad model path")
+
+    with pytest.raises(ValueError, match="bad model path"):
+        asyncio.run(in_a_passing_thread(fail))
