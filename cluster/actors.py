@@ -26,6 +26,9 @@ class ShardWorkerActor:
     def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
         return self.worker.execute(step_bytes)
 
+    def warm_up(self, aux_layer_ids: list[int]) -> None:
+        self.worker.warm_up(aux_layer_ids)
+
     def num_collectives(self) -> int:
         return self.worker.num_collectives()
 

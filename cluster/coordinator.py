@@ -104,9 +104,11 @@ class Coordinator:
             # more, rank 0 holds a vocabulary shard, and the draft reads the table from the checkpoint.
             self.runner = self.rank0.runner if num_workers == 1 else None
             self.num_blocks = min(i.num_blocks for i in self.infos)
+            # The engine warms every rank up (warm_up) before the step graph exists: once compiled, the
+            # Ray graph holds each worker's thread, and the workers take no other calls.
+            self.engine = LLMEngine(config, executor=self)  # loads the draft too, when config names one
             use_graph = self.parallel.dispatch == "compiled" and self.workers
             self.graph = self._compile_step_graph() if use_graph else None
-            self.engine = LLMEngine(config, executor=self)  # loads the draft too, when config names one
         except BaseException:
             self.shutdown()  # a half-built replica must not keep its actors
             raise
@@ -204,6 +206,13 @@ class Coordinator:
             except Exception as e:  # noqa: BLE001 - one request the core cannot take must not end the loop
                 failures.append(StepFailedError.caused_by([request.request_id], e))
         return failures
+
+    def warm_up(self, aux_layer_ids: list[int]) -> None:
+        """Every rank builds its compiled step graphs (ModelRunner.warm_up) at once: the warm-up steps
+        meet in their collectives."""
+        pending = [w.warm_up.remote(aux_layer_ids) for w in self.workers]
+        self.rank0.runner.warm_up(aux_layer_ids)
+        unwrap_ray_errors(lambda: ray.get(pending))
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """The engine's executor: one step on every rank. Ranks 1..N-1 get it as a delta against the

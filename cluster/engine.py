@@ -46,7 +46,7 @@ class LLMEngine:
         """proposer: drafts for speculative decoding; None loads the EAGLE-3 draft that config names
         (and none without one). A given proposer speculates config.speculative.num_speculative_tokens
         tokens whatever the config's draft. executor: where steps run (model_config, num_blocks,
-        execute); None makes one in this process. The coordinator passes itself, to drive its workers."""
+        execute, warm_up); None makes one in this process. The coordinator passes itself, to drive its workers."""
         self.config = config
         self.executor = executor if executor is not None else make_executor(config)
         self.model_config = self.executor.model_config
@@ -71,11 +71,9 @@ class LLMEngine:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Let a runner in this process, and the draft, build their compiled step graphs before the
-        first request (ModelRunner.warm_up, Eagle3Proposer.warm_up; no-ops where nothing compiles)."""
-        runner = getattr(self.executor, "runner", None)
-        if runner is not None:
-            runner.warm_up(list(self.proposer.aux_layer_ids) if self.proposer is not None else [])
+        """Let the ranks, and the draft, build their compiled step graphs before the first request
+        (ModelRunner.warm_up, Eagle3Proposer.warm_up; no-ops where nothing compiles)."""
+        self.executor.warm_up(list(self.proposer.aux_layer_ids) if self.proposer is not None else [])
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
         if warm_up_draft is not None:
             warm_up_draft()

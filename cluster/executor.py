@@ -1,6 +1,6 @@
 """Where steps run: in this process (one worker) or on a Ray replica (a coordinator and N workers,
 ray_executor.py). The engine sees the same three things from both: the model config, the KV block
-count, execute(). Ray is imported only when a replica needs it."""
+count, execute(), and warm_up() before the first step. Ray is imported only when a replica needs it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan.build())
+
+    def warm_up(self, aux_layer_ids: list[int]) -> None:
+        self.runner.warm_up(aux_layer_ids)
 
     def shutdown(self) -> None:
         self.runner = None

@@ -56,6 +56,8 @@ class Communicator:
         """Sum over ranks; returns the reduced tensor (possibly x itself, reduced in place)."""
         if self.world_size == 1:
             return x
+        if torch.compiler.is_compiling():
+            return self._traced_all_reduce(x)
         self.num_collectives += 1
         with collective_failures(type(self).__name__):
             if batch_invariant.is_enabled() and x.dtype != torch.float64:
@@ -68,6 +70,8 @@ class Communicator:
         """Concatenate every rank's x along dim on rank 0; None on the other ranks."""
         if self.world_size == 1:
             return x
+        if torch.compiler.is_compiling():
+            return self._traced_gather(x, dim)
         self.num_collectives += 1
         with collective_failures(type(self).__name__):
             parts = self._gather(x.contiguous())
@@ -94,6 +98,15 @@ class Communicator:
     def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         raise NotImplementedError(f"{type(self).__name__} has no collective for {self.world_size} ranks")
 
+    # Inside a compiled step (workers/compiled_step.py): collectives the compiler traces, so that a
+    # step of several ranks stays one graph. A failure surfaces when the step runs, where the runner
+    # turns it into CollectiveError; the collectives of a compiled step are not counted.
+    def _traced_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} has no compiled collectives")
+
+    def _traced_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        raise NotImplementedError(f"{type(self).__name__} has no compiled collectives")
+
 
 class GlooCommunicator(Communicator):
     def __init__(self, init: CommInit):
@@ -112,6 +125,20 @@ class GlooCommunicator(Communicator):
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         self.dist.gather(x, parts, dst=0)
         return parts
+
+    def _traced_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as functional
+
+        return functional.all_reduce(x.contiguous(), "sum", self.dist.group.WORLD)
+
+    def _traced_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
+        """An all-gather (the traced collectives have no gather); ranks past 0 drop what they got."""
+        from torch.distributed import _functional_collectives as functional
+
+        stacked = functional.all_gather_tensor(x.contiguous(), 0, self.dist.group.WORLD)  # [world * rows, ...]
+        if self.rank != 0:
+            return None
+        return torch.cat(stacked.chunk(self.world_size, dim=0), dim=dim)
 
     def close(self) -> None:
         if self.dist.is_initialized():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
-from warpspec.workers.comm import Communicator
+from warpspec.workers.comm import Communicator, GlooCommunicator, collective_failures
 from warpspec.workers.compiled_step import CompiledStepRunner
 from warpspec.workers.cpu_threads import fastest_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
@@ -59,10 +60,12 @@ class ModelRunner:
                       and triton_available())
         # On the CPU the same steps run compiled instead. Deterministic mode stays eager: its float64
         # weight copies are made on first use, a side effect a compiled graph would not keep.
-        # Over several ranks the gloo collectives split the graph twice per layer: measured on the
-        # bundled pair over 2 workers, 114 s to compile and 0.64x the eager speed, so they stay eager.
+        # Over several gloo ranks the collectives are traced ones (Communicator._traced_all_reduce):
+        # as torch.distributed calls they split the graph twice per layer (measured on the bundled
+        # pair over 2 workers: 114 s to compile and 0.64x the eager speed).
         use_compiled = (cuda_graphs is not None and self.device.type == "cpu" and kernel_mode() == "auto"
-                        and not deterministic and self.model.comm.world_size == 1)
+                        and not deterministic
+                        and (self.model.comm.world_size == 1 or isinstance(self.model.comm, GlooCommunicator)))
         # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
         self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
                                            self.cache_config.block_size, self.dtype, self.device)
@@ -81,7 +84,8 @@ class ModelRunner:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
         request waits for them (CompiledStepRunner.warm_up_steps), each with the thread count that
         runs its step fastest eagerly; then steps check only the guards that tell the graphs apart
-        (CountingCompiler.seal). Nothing to do otherwise."""
+        (CountingCompiler.seal). Nothing to do otherwise. Over several ranks every rank warms up at
+        once, on the same steps: they meet in each step's collectives."""
         if isinstance(self.graph_runner, CompiledStepRunner):
             for step in self.graph_runner.warm_up_steps(aux_layer_ids):
                 with torch.inference_mode():
@@ -97,7 +101,10 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
+        # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
+        ranks_meet = self.model.comm.world_size > 1 and isinstance(self.graph_runner, CompiledStepRunner)
+        with collective_failures("gloo") if ranks_meet else contextlib.nullcontext():
+            graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
         if graphed is not None:
             logits, aux = graphed
         else:

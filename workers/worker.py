@@ -68,6 +68,10 @@ class ShardWorker:
         output = self.runner.execute(self.batch.apply(StepDelta.from_bytes(step_bytes)))
         return output.compute_s, output.to_bytes()
 
+    def warm_up(self, aux_layer_ids: list[int]) -> None:
+        """ModelRunner.warm_up, at the same time as every other rank."""
+        self.runner.warm_up(aux_layer_ids)
+
     def num_collectives(self) -> int:
         return self.comm.num_collectives
 

@@ -131,6 +131,21 @@ def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
     assert [a - b for a, b in zip(after, before, strict=True)] == [num_steps * (2 * num_layers + 2)] * 2
 
 
+@pytest.mark.slow
+def test_compiled_steps_over_two_workers_match_single_process(ray_cluster, checkpoint, single_process, tmp_path):
+    """Each rank runs its decode steps as one compiled graph, with collectives the compiler traces,
+    and emits the eager single process's tokens and logprobs. A compiled step's collectives are not
+    counted: over a prompt and two decode steps, only the prompt's show."""
+    num_layers = 4
+    with LLM(str(checkpoint), dtype="float32", num_workers=2, enforce_eager=False, run_dir=str(tmp_path)) as llm:
+        assert_same_outputs(llm.generate(_prompts(), PARAMS), single_process)
+        executor = llm.engine.executor
+        before = executor.num_collectives()
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        after = executor.num_collectives()
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2 * num_layers + 2] * 2
+
+
 def test_impossible_splits_fail_before_loading(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="num_workers=3 must divide num_attention_heads=4"):
         LLM(str(checkpoint), num_workers=3)
