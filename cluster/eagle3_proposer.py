@@ -40,7 +40,7 @@ from warpspec.sampler import exponential_noise, greedy_tokens
 from warpspec.workers.compiled_step import MIN_BLOCKS, CountingCompiler, mark_step_dynamic, widen_block_tables
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.eagle3 import Eagle3Draft
-from warpspec.workers.step import SequenceStep, StepInput
+from warpspec.workers.step import SequenceStep, StepInput, padded_block_tables
 
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
 
@@ -153,9 +153,7 @@ class Eagle3Proposer:
         """Every request's k greedy drafts (target ids) from one compiled graph (module docstring)."""
         step, features, last = self._padded_catch_up(requests, features, tables)
         # The whole tables, not the catch-up's: the steps after it write up to k - 1 positions further.
-        full_tables = torch.zeros(len(tables), max(MIN_BLOCKS, max(map(len, tables))), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            full_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        full_tables = padded_block_tables(tables, max(MIN_BLOCKS, max(map(len, tables))))
         inputs = self._greedy_proposal_inputs(step, features, full_tables.to(self.device), last)
         return self._run_compiled(self.compiled_greedy_proposal, inputs, (GREEDY_PROPOSAL, len(requests) == 1)).tolist()
 

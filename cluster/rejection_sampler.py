@@ -44,13 +44,13 @@ def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: 
     rows = torch.tensor(row_starts, device=device)[:, None] + torch.minimum(position[None, :], num_drafts[:, None])
     is_draft = position[None, :k_max] < num_drafts[:, None]  # [num_seqs, k_max]
     drafts = torch.tensor([d + [0] * (k_max - len(d)) for d in draft_ids], device=device).view(num_seqs, k_max)
-    accepted = torch.zeros(num_seqs, dtype=torch.long, device=device)
-    final = torch.zeros(num_seqs, dtype=torch.long, device=device)
-
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     if len(greedy) == num_seqs:  # the common batch: no rows to pick out
         accepted, final = _verify_greedy(target_logits, rows, drafts, is_draft)
-    elif greedy:
+        return [d[:a] + [t] for d, a, t in zip(draft_ids, accepted.tolist(), final.tolist(), strict=True)]
+    accepted = torch.zeros(num_seqs, dtype=torch.long, device=device)
+    final = torch.zeros(num_seqs, dtype=torch.long, device=device)
+    if greedy:
         g = torch.tensor(greedy, device=device)
         accepted[g], final[g] = _verify_greedy(target_logits, rows[g], drafts[g], is_draft[g])
 

@@ -79,6 +79,8 @@ class ModelRunner:
                                                     block_size=block_size, device=self.device)
         elif use_compiled:
             self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size)
+        # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
+        self.compiled_ranks_meet = use_compiled and self.model.comm.world_size > 1
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
@@ -101,9 +103,7 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
-        ranks_meet = self.model.comm.world_size > 1 and isinstance(self.graph_runner, CompiledStepRunner)
-        with collective_failures("gloo") if ranks_meet else contextlib.nullcontext():
+        with collective_failures("gloo") if self.compiled_ranks_meet else contextlib.nullcontext():
             graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
         if graphed is not None:
             logits, aux = graphed

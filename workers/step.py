@@ -39,6 +39,15 @@ class StepPlan:
         return StepInput.build(self.seqs, self.block_size, self.aux_layer_ids)
 
 
+def padded_block_tables(tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+    """[len(tables), num_blocks] int32: each table's first num_blocks blocks, padded with 0."""
+    block_tables = torch.zeros(len(tables), num_blocks, dtype=torch.int32)
+    for row, table in enumerate(tables):
+        table = table[:num_blocks]
+        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return block_tables
+
+
 @dataclass
 class StepInput:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -76,11 +85,7 @@ class StepInput:
             query_start_loc.append(len(input_ids))
             seq_lens.append(seq.num_cached + len(seq.token_ids))
         max_seq_len = max(seq_lens)
-        max_blocks = -(-max_seq_len // block_size)
-        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            table = seq.block_table[:max_blocks]
-            block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_tables = padded_block_tables([seq.block_table for seq in seqs], -(-max_seq_len // block_size))
         return cls(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
