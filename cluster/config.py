@@ -30,7 +30,7 @@ class SchedulerConfig:
 EXECUTORS = ("auto", "local", "ray")
 DISPATCH_MODES = ("compiled", "actor")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-COMM_BACKENDS = ("auto", "gloo", "nccl")
+COMM_BACKENDS = ("auto", "gloo", "shm", "nccl")
 MOE_PARALLEL_MODES = ("tensor", "expert")
 
 
@@ -44,7 +44,7 @@ class ParallelConfig:
     dispatch: str = "compiled"
     placement_strategy: str = "STRICT_PACK"
     placement_timeout_s: float = 60.0
-    comm_backend: str = "auto"  # gloo on CPU, nccl on GPU
+    comm_backend: str = "auto"  # nccl on GPU; on CPU shm when the ranks share a host, else gloo
     # Routed experts: "tensor" splits every expert's intermediate width over all ranks (each rank reads
     # 1/N of every chosen expert: the least time per step at small batches); "expert" gives each rank
     # whole experts (no rank reads a chosen expert's slices, but the rank that owns it reads all of it).

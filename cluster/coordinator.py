@@ -120,23 +120,34 @@ class Coordinator:
                                                     placement_group_bundle_index=self.first_bundle + rank)
         return actor_class.options(scheduling_strategy=strategy, **worker_resources(self.config, rank)).remote()
 
-    def _comm_init(self, rank: int, address: str, port: int, nccl_id: bytes) -> CommInit:
+    def _comm_backend(self) -> str:
         backend = self.parallel.comm_backend
-        if backend == "auto":
-            backend = "nccl" if self.is_gpu else "gloo"
         if self.parallel.num_workers == 1:
-            backend = "local"
-        return CommInit(backend, rank, self.parallel.num_workers, address, port, nccl_id)
+            return "local"
+        if backend == "auto":
+            return "nccl" if self.is_gpu else "shm" if self._ranks_share_a_host() else "gloo"
+        return backend
+
+    def _ranks_share_a_host(self) -> bool:
+        """Whether shared memory reaches every rank: x86-64 with a /dev/shm here, and every worker's
+        bundle on this node (a served replica's gang always is; LLM's PACK or SPREAD placement may not be)."""
+        from warpspec.workers.shm_comm import shared_memory_available
+
+        nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
+        here = ray.get_runtime_context().get_node_id()
+        return shared_memory_available() and all(nodes.get(self.first_bundle + rank) == here
+                                                 for rank in range(1, self.parallel.num_workers))
 
     def _start_shards(self) -> tuple[ShardWorker, list[WorkerInfo]]:
         """Rank 0 here, hosting the group's rendezvous; ranks 1..N-1 in their actors."""
         address, port = address_and_free_port()
-        uses_nccl = self._comm_init(0, address, port, b"").backend == "nccl"
-        nccl_id = make_nccl_unique_id() if uses_nccl else b""
+        backend = self._comm_backend()
+        nccl_id = make_nccl_unique_id() if backend == "nccl" else b""
         cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
         threads = 0 if self.is_gpu else max(1, min(os.cpu_count() or 1, cpus) // self.parallel.num_workers)
         configs = [WorkerConfig(self.config.model, self.config.dtype, self.config.cache,
-                                self._comm_init(rank, address, port, nccl_id), self.config.device, threads,
+                                CommInit(backend, rank, self.parallel.num_workers, address, port, nccl_id),
+                                self.config.device, threads,
                                 self.config.cuda_graph_config(), self.config.quantization,
                                 self.parallel.moe_parallel, self.config.deterministic, self.config.run_dir)
                    for rank in range(self.parallel.num_workers)]

@@ -87,7 +87,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("placement_timeout_s", "parallel.placement_timeout_s", float, ParallelConfig.placement_timeout_s,
                  "how long to wait for the workers' resources"),
     EngineOption("comm_backend", "parallel.comm_backend", str, ParallelConfig.comm_backend,
-                 "collectives between ranks: gloo on CPU, nccl on GPU (auto)", COMM_BACKENDS),
+                 "collectives between ranks: nccl on GPU; on CPU shared memory when the ranks share a host "
+                 "(shm), else gloo (auto)", COMM_BACKENDS),
     EngineOption("moe_parallel", "parallel.moe_parallel", str, ParallelConfig.moe_parallel,
                  "routed experts split by width over all ranks (tensor) or whole per rank (expert)",
                  MOE_PARALLEL_MODES),

@@ -1,9 +1,10 @@
 """Collectives among the ranks of one model replica, behind one small interface.
 
-Backends: `local` (one rank, nothing to exchange), `gloo` (torch.distributed over TCP, for CPUs) and
-`nccl` (NCCL through CuPy, for GPUs; the unique id is made on rank 0 and handed to every rank by the
-coordinator). The model reduces only through `allreduce_residual_rmsnorm`, so a backend can fuse
-the reduction with the residual add and the norm.
+Backends: `local` (one rank, nothing to exchange), `gloo` (torch.distributed over TCP, for CPUs),
+`shm` (CPU ranks on one host, through shared memory: workers/shm_comm.py) and `nccl` (NCCL through
+CuPy, for GPUs; the unique id is made on rank 0 and handed to every rank by the coordinator). The
+model reduces only through `allreduce_residual_rmsnorm`, so a backend can fuse the reduction with the
+residual add and the norm.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from warpspec.kernels import add_rms_norm, batch_invariant, rms_norm
 
-BACKENDS = ("local", "gloo", "nccl")
+BACKENDS = ("local", "gloo", "shm", "nccl")
 
 
 @dataclass
@@ -25,7 +26,7 @@ class CommInit:
     backend: str
     rank: int = 0
     world_size: int = 1
-    master_addr: str = "127.0.0.1"  # gloo: rank 0's address and a free port there
+    master_addr: str = "127.0.0.1"  # gloo and shm: rank 0's address and a free port there
     master_port: int = 0
     nccl_unique_id: bytes = b""  # nccl: made by rank 0 with make_nccl_unique_id()
 
@@ -40,7 +41,7 @@ def collective_failures(backend: str):
     into CollectiveError, so the coordinator tells a broken replica from a bad request."""
     try:
         yield
-    except NotImplementedError:
+    except (NotImplementedError, CollectiveError):
         raise
     except RuntimeError as e:
         raise CollectiveError(f"{backend} collective failed: {str(e).splitlines()[0][:300]}") from None
@@ -192,4 +193,8 @@ def make_communicator(init: CommInit) -> Communicator:
         return Communicator()
     if init.backend == "gloo":
         return GlooCommunicator(init)
+    if init.backend == "shm":
+        from warpspec.workers.shm_comm import SharedMemoryCommunicator
+
+        return SharedMemoryCommunicator(init)
     return NcclCommunicator(init)

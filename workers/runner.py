@@ -60,9 +60,9 @@ class ModelRunner:
                       and triton_available())
         # On the CPU the same steps run compiled instead. Deterministic mode stays eager: its float64
         # weight copies are made on first use, a side effect a compiled graph would not keep.
-        # Over several gloo ranks the collectives are traced ones (Communicator._traced_all_reduce):
-        # as torch.distributed calls they split the graph twice per layer (measured on the bundled
-        # pair over 2 workers: 114 s to compile and 0.64x the eager speed).
+        # Over several CPU ranks (gloo, or shm, a GlooCommunicator too) the collectives are traced ones
+        # (Communicator._traced_all_reduce): as torch.distributed calls they split the graph twice per
+        # layer (measured on the bundled pair over 2 workers: 114 s to compile and 0.64x the eager speed).
         use_compiled = (cuda_graphs is not None and self.device.type == "cpu" and kernel_mode() == "auto"
                         and not deterministic
                         and (self.model.comm.world_size == 1 or isinstance(self.model.comm, GlooCommunicator)))
@@ -103,7 +103,8 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        with collective_failures("gloo") if self.compiled_ranks_meet else contextlib.nullcontext():
+        meeting = collective_failures(type(self.model.comm).__name__) if self.compiled_ranks_meet else None
+        with meeting or contextlib.nullcontext():
             graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
         if graphed is not None:
             logits, aux = graphed

@@ -42,6 +42,7 @@ class WorkerInfo:
     num_blocks: int
     bytes_read: int
     param_bytes: int
+    comm_backend: str  # the collectives this rank joined: local, gloo, shm or nccl
 
 
 class ShardWorker:
@@ -59,7 +60,7 @@ class ShardWorker:
     def info(self) -> WorkerInfo:
         report = self.runner.model.load_report
         return WorkerInfo(self.comm.rank, os.getpid(), self.runner.num_blocks, report.bytes_read,
-                          report.param_bytes)
+                          report.param_bytes, self.config.comm.backend)
 
     def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
         """Encoded StepDelta -> (compute seconds, encoded StepOutput). The delta brings this rank's

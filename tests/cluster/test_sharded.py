@@ -132,12 +132,17 @@ def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
 
 
 @pytest.mark.slow
-def test_compiled_steps_over_two_workers_match_single_process(ray_cluster, checkpoint, single_process, tmp_path):
+@pytest.mark.parametrize("comm_backend,joined", [("auto", "shm"), ("gloo", "gloo")])
+def test_compiled_steps_over_two_workers_match_single_process(ray_cluster, checkpoint, single_process, tmp_path,
+                                                              comm_backend, joined):
     """Each rank runs its decode steps as one compiled graph, with collectives the compiler traces,
     and emits the eager single process's tokens and logprobs. A compiled step's collectives are not
-    counted: over a prompt and two decode steps, only the prompt's show."""
+    counted: over a prompt and two decode steps, only the prompt's show. On one host the ranks meet
+    in shared memory unless told gloo."""
     num_layers = 4
-    with LLM(str(checkpoint), dtype="float32", num_workers=2, enforce_eager=False, run_dir=str(tmp_path)) as llm:
+    with LLM(str(checkpoint), dtype="float32", num_workers=2, enforce_eager=False, run_dir=str(tmp_path),
+             comm_backend=comm_backend) as llm:
+        assert [info.comm_backend for info in llm.engine.executor.info.workers] == [joined] * 2
         assert_same_outputs(llm.generate(_prompts(), PARAMS), single_process)
         executor = llm.engine.executor
         before = executor.num_collectives()
