@@ -112,13 +112,28 @@ def plot(rows: list[dict], batches: list[int], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def worker_layout(spec: str) -> tuple[str, int, str, str]:
+    """--workers entry -> (spec, num_workers, executor, comm_backend): "1" in this process, "ray1" one
+    worker through Ray (the coordinator's engine core), "2" two, "2:gloo" two meeting over gloo."""
+    count, _, comm_backend = spec.partition(":")
+    executor = "ray" if count.startswith("ray") else "auto"
+    return spec, int(count.removeprefix("ray")), executor, comm_backend or "auto"
+
+
+def step_modes(num_workers: int) -> list[tuple[str, bool]]:
+    """(name suffix, enforce_eager): one rank on a CPU compiles its steps by default, and its eager run
+    goes beside it."""
+    return [("", False), (EAGER, True)] if num_workers == 1 else [("", False)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="warpspec bench compare", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(BUNDLED_TARGET))
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--workers", default="1,ray1,2",
-                        help="warpspec worker counts: 1 in this process, rayN N workers through Ray, N > 1 likewise")
+                        help="warpspec worker counts: 1 in this process, rayN N workers through Ray, N > 1 likewise; "
+                             "a suffix names the ranks' collectives, as 2:gloo (else comm_backend auto)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration (median kept)")
     parser.add_argument("--batch1-prompts", type=int, default=4,
@@ -143,16 +158,22 @@ def main(argv: list[str] | None = None) -> int:
                                                                                           False)},
                            {"system": HF_LOOKUP, "workers": 0, "batches": [1],  # transformers: batch 1 only
                             "run": transformers_runner(reference, args.new_tokens, True)}]
+    layouts = [worker_layout(spec) for spec in args.workers.split(",")]
+    # Every engine through Ray holds a CPU per worker, all of them at once (plain and EAGLE-3, compiled
+    # and eager): a local cluster must offer that many, oversubscribing a small machine.
+    ray_cpus = sum(2 * len(step_modes(n)) * n for _, n, executor, _ in layouts if executor == "ray" or n > 1)
+    if ray_cpus:
+        from warpspec.ray_env import connect_ray
+
+        connect_ray(args.run_dir, num_cpus=ray_cpus)
     with contextlib.ExitStack() as stack:
-        for workers in args.workers.split(","):
-            # "1": in this process; "ray1": one worker through Ray (the coordinator's engine core); "2": two.
-            num_workers, executor = int(workers.removeprefix("ray")), "ray" if workers.startswith("ray") else "auto"
-            # One rank on a CPU compiles its steps by default: its eager run goes beside it.
-            modes = [("", False), (EAGER, True)] if num_workers == 1 else [("", False)]
+        for workers, num_workers, executor, comm_backend in layouts:
+            modes = step_modes(num_workers)
             for (mode, enforce_eager), (name, draft) in itertools.product(
                     modes, (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft))):
                 llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
-                                              executor=executor, enable_prefix_caching=False,
+                                              executor=executor, comm_backend=comm_backend,
+                                              enable_prefix_caching=False,
                                               enforce_eager=enforce_eager, run_dir=args.run_dir))
                 systems.append({"system": name.replace("warpspec", "warpspec" + mode), "workers": workers,
                                 "llm": llm, "run": warpspec_runner(llm, args.new_tokens)})

@@ -84,6 +84,7 @@ BENCHMARKS["moe"] = "warpspec.benchmarks.moe_parallel"
 BENCHMARKS["deterministic"] = "warpspec.benchmarks.deterministic"
 BENCHMARKS["routing"] = "warpspec.benchmarks.routing"
 BENCHMARKS["compile"] = "warpspec.benchmarks.compile_time"
+BENCHMARKS["collectives"] = "warpspec.benchmarks.collectives"
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -159,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--held-out-prompts", help="also write 16 prompts from validation documents to this JSON file")
     data.set_defaults(func=_draft_data)
 
-    bench = commands.add_parser("bench", help="run a benchmark (compare, compile, dispatch, throughput, spec, seeds, "
-                                              "serve, load, fp8, moe, gpu_check); `warpspec bench NAME --help`")
+    bench = commands.add_parser("bench", help="run a benchmark (compare, compile, collectives, dispatch, throughput, "
+                                              "spec, seeds, serve, load, fp8, moe, gpu_check); "
+                                              "`warpspec bench NAME --help`")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)

@@ -8,9 +8,10 @@ from pathlib import Path
 import ray
 
 
-def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False) -> None:
+def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False, num_cpus: int = 8) -> None:
     """Idempotent. A local cluster keeps its session files under run_dir/ray, runs no dashboard unless
-    asked (it serves cluster control on a port of its own) and reports no usage statistics."""
+    asked (it serves cluster control on a port of its own), reports no usage statistics and offers at
+    least num_cpus CPUs (one per worker actor)."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -20,5 +21,5 @@ def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False) -
     temp_dir = Path(run_dir, "ray").resolve()
     temp_dir.mkdir(parents=True, exist_ok=True)
     # Oversubscribe small machines: a 2-core box still hosts a coordinator and a few workers.
-    ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=include_dashboard, _temp_dir=str(temp_dir),
+    ray.init(num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=include_dashboard, _temp_dir=str(temp_dir),
              log_to_driver=False)

@@ -46,6 +46,7 @@ from warpspec.workers.comm import CollectiveError, CommInit, GlooCommunicator
 SLOT_BYTES = 1 << 20  # per rank and parity; larger tensors go through in chunks of this size
 FLAG_STRIDE = 64  # bytes: one cache line per rank's flag, so ranks publishing at once do not contend
 MAX_RANKS = 64
+MAX_KEPT_VIEWS = 64  # (parity, numel, dtype) views of the slots kept for reuse (_slot_views)
 # Waiting for a peer: ranks of one decode step arrive within ~0.1 ms of each other, so spin first;
 # then give the core away between looks; a peer still busy after some milliseconds (compiling a graph,
 # or a long prompt) is waited for in short sleeps, so that the wait does not take a core from it.
@@ -111,6 +112,7 @@ class SharedMemoryCommunicator(GlooCommunicator):
         # [2 parities][world] of [slot_bytes] uint8
         slots = buffer[flag_bytes:].view(2, self.world_size, self.slot_bytes)
         self.slots = [list(parity.unbind(0)) for parity in slots.unbind(0)]
+        self._views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
 
     # ---- collectives ----------------------------------------------------------------------------
 
@@ -141,12 +143,24 @@ class SharedMemoryCommunicator(GlooCommunicator):
         """Publish part ([n] contiguous), wait for every rank's, and return all of them in rank order
         as views of the slots: valid until this rank's next exchange."""
         self.seq += 1
-        slots = self.slots[self.seq % 2]
-        num_bytes = part.numel() * part.element_size()
-        slots[self.rank][:num_bytes].copy_(part.view(torch.uint8))
+        views = self._slot_views(self.seq % 2, part.numel(), part.dtype)
+        views[self.rank].copy_(part)
         self.flags[self.rank] = self.seq
         self._wait_for_peers()
-        return [slot[:num_bytes].view(part.dtype) for slot in slots]
+        return views
+
+    def _slot_views(self, parity: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's slot of that parity as [numel] of dtype. A decode step exchanges the same few
+        shapes over and over, and making the views costs more than the copy: they are kept (a prompt's
+        odd shapes clear the store when it fills)."""
+        key = (parity, numel, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= MAX_KEPT_VIEWS:
+                self._views.clear()
+            num_bytes = numel * dtype.itemsize
+            views = self._views[key] = [slot[:num_bytes].view(dtype) for slot in self.slots[parity]]
+        return views
 
     def _wait_for_peers(self) -> None:
         seq, flags = self.seq, self.flags
@@ -187,7 +201,7 @@ class SharedMemoryCommunicator(GlooCommunicator):
 
     def close(self) -> None:
         self._groups.pop(self.group_id, None)
-        self.slots = self.flags = None
+        self.slots = self.flags = self._views = None
         with contextlib.suppress(BufferError):  # a caller still holds a view of a slot: it goes with that
             self.segment.close()
         os.close(self.fd)
