@@ -15,7 +15,9 @@ Why two parities are enough: a rank writes parity p = seq % 2 again only at seq 
 at seq + 1, which needs every peer to have published seq + 1, which each does only after it finished
 reading seq. x86-64 keeps stores in program order and never moves a load past a later store, so the
 slot copy is visible before the flag that announces it, and a peer's reads of a slot are done before
-its next flag. Other architectures need fences Python cannot issue: there the ranks keep gloo.
+its next flag. (A copy or sum that torch splits over OpenMP threads ends at the region's barrier, a
+full fence, before this thread writes the flag.) Other architectures need fences Python cannot
+issue: there the ranks keep gloo.
 
 Every rank sums the slots in rank order, so every rank gets the same bits, and a row's sum does not
 depend on the other rows in the batch (no chunking by message size, unlike a ring all-reduce).
