@@ -1,7 +1,8 @@
 """What crosses between the front end and the engine core. In: the requests added and aborted
 (CoreInput), sent fire-and-forget whenever the replica has some. Out: one RequestDelta per request
-that gained tokens or finished in a step; with Ray workers, one StepReply per core step carries them
-on one long-lived Ray stream.
+that gained tokens or finished in a step; with Ray workers, StepReplies carry them on one long-lived
+Ray stream, one per core step or, between a request's first tokens and its end, one per
+core_reply_interval_ms of steps merged (StepReply.then).
 
 A delta carries token ids, the core's finish reason (an eos or stop token, a length limit), the
 requested logprobs and, once, what a request needs at its start (prompt logprobs, the metrics known
@@ -46,13 +47,39 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: RequestDelta) -> RequestDelta:
+        """This delta and a later step's of the same request as one, as if the steps had been one."""
+        logprobs = None
+        if self.new_logprobs is not None or later.new_logprobs is not None:
+            logprobs = (self.new_logprobs or []) + (later.new_logprobs or [])
+        return RequestDelta(self.request_id, self.new_token_ids + later.new_token_ids, later.finish_reason,
+                            later.stop_reason, logprobs,
+                            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                            {**self.metrics, **later.metrics}, self.num_draft_tokens + later.num_draft_tokens)
+
 
 @dataclass
 class StepReply:
-    """What the core sends after each step, or after applying messages that ran no step (an abort
-    of the last request: the replica then sees its blocks free)."""
+    """What the core sends after a step (or several merged), or after applying messages that ran no
+    step (an abort of the last request: the replica then sees its blocks free)."""
     deltas: list[RequestDelta]
     stats: EngineStats  # after the step
     spec_stats: SpeculationStats
     failures: list[StepFailedError] = field(default_factory=list)  # requests the core dropped, and why
     sent_at: float = 0.0  # time.monotonic() in the core: a stream lag, comparable on the same node only
+
+    def then(self, later: StepReply) -> StepReply:
+        """This reply and the next as one: each request's deltas merged in step order, the later stats."""
+        merged = {delta.request_id: delta for delta in self.deltas}
+        for delta in later.deltas:
+            earlier = merged.get(delta.request_id)
+            merged[delta.request_id] = delta if earlier is None else earlier.then(delta)
+        return StepReply(list(merged.values()), later.stats, later.spec_stats, self.failures + later.failures,
+                         later.sent_at)
+
+    @property
+    def is_urgent(self) -> bool:
+        """Whether it holds what the front end must not wait for: a request's first tokens (its time to
+        first token), a request's end, or a failure."""
+        return bool(self.failures) or any(d.finished or d.prompt_logprobs is not None or d.metrics
+                                          for d in self.deltas)

@@ -86,6 +86,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  PLACEMENT_STRATEGIES),
     EngineOption("placement_timeout_s", "parallel.placement_timeout_s", float, ParallelConfig.placement_timeout_s,
                  "how long to wait for the workers' resources"),
+    EngineOption("core_reply_interval_ms", "parallel.core_reply_interval_ms", float,
+                 ParallelConfig.core_reply_interval_ms,
+                 "through Ray, the core merges a request's middle steps into one reply per this many ms "
+                 "(first tokens and ends go at once; 0: a reply per step)"),
     EngineOption("comm_backend", "parallel.comm_backend", str, ParallelConfig.comm_backend,
                  "collectives between ranks: nccl on GPU; on CPU shared memory when the ranks share a host "
                  "(shm), else gloo (auto)", COMM_BACKENDS),

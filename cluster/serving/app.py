@@ -82,7 +82,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         the Ray cluster has GPUs), deterministic, the KV cache (kv_cache_memory_gib per worker or
         num_kv_blocks, block_size), the scheduler (max_num_seqs, max_num_batched_tokens,
         enable_prefix_caching, max_waiting_requests: beyond it RESOURCE_EXHAUSTED / 429), the
-        parallel layout (num_workers, one GPU each; executor; dispatch; comm_backend; moe_parallel;
+        parallel layout (num_workers, one GPU each; executor; dispatch; core_reply_interval_ms;
+        comm_backend; moe_parallel;
         placement_timeout_s: how long a new replica's gang may wait for a node; placement_strategy is
         accepted but a replica is always one STRICT_PACK gang), the draft (draft, num_speculative_tokens,
         aux_layer_offset, compile_draft, coupled_verification), enforce_eager,

@@ -193,6 +193,27 @@ def test_no_blocking_ray_call_runs_on_the_event_loop(ray_cluster, checkpoint, mo
     assert not on_loop, on_loop[0]
 
 
+@pytest.mark.parametrize("interval_ms,new_tokens_per_output", [(0, [1] * 16), (60_000, [1, 15])])
+def test_the_core_merges_a_requests_middle_steps_into_one_reply_per_interval(ray_cluster, checkpoint, interval_ms,
+                                                                            new_tokens_per_output):
+    """Through Ray each streamed reply costs the core ~0.3 ms, so between a request's first token and
+    its end the core merges steps into one reply per core_reply_interval_ms. Over 16 plain steps: at
+    0, one output per step; at a minute, the first token at once and the other 15 with the end."""
+    async def main():
+        llm = await AsyncLLM.create(str(checkpoint), dtype="float32", executor="ray",
+                                    core_reply_interval_ms=interval_ms)
+        try:
+            return await _collect(llm, [1, 2, 3], GREEDY)
+        finally:
+            await llm.shutdown()
+
+    with LLM(str(checkpoint), dtype="float32") as alone:
+        expected = alone.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    outputs = asyncio.run(main())
+    assert [len(out.new_token_ids) for out in outputs] == new_tokens_per_output
+    assert [t for out in outputs for t in out.new_token_ids] == outputs[-1].token_ids == expected
+
+
 def test_step_failed_error_crosses_processes_intact():
     """With Ray workers it is raised in the coordinator and re-raised in the replica (through pickle)."""
     import pickle

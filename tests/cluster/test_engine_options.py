@@ -26,7 +26,7 @@ SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "devi
           "block_size": 32, "num_kv_blocks": 9, "kv_cache_memory_gib": 2.5, "max_num_seqs": 5,
           "max_num_batched_tokens": 99, "enable_prefix_caching": False, "max_waiting_requests": 11,
           "num_workers": 3, "executor": "ray", "dispatch": "actor", "placement_strategy": "SPREAD",
-          "placement_timeout_s": 4.5, "comm_backend": "gloo", "moe_parallel": "expert", "draft": "d",
+          "placement_timeout_s": 4.5, "core_reply_interval_ms": 0.0, "comm_backend": "gloo", "moe_parallel": "expert", "draft": "d",
           "num_speculative_tokens": 5, "aux_layer_offset": 1, "compile_draft": False, "coupled_verification": True}
 
 
@@ -83,6 +83,11 @@ def test_llm_and_async_llm_take_options_by_name_alike():
         AsyncLLM("ckpt", num_workers=0)  # checked before anything loads, as LLM checks it
     with pytest.raises(TypeError, match="takes no options"):
         AsyncLLM(engine_config("ckpt"), dtype="float32")
+
+
+def test_a_negative_reply_interval_names_the_option():
+    with pytest.raises(ValueError, match="core_reply_interval_ms must be 0 or more, got -1"):
+        engine_config("ckpt", core_reply_interval_ms=-1)
 
 
 def test_device_auto_is_cuda_only_where_a_gpu_is_seen():
