@@ -48,6 +48,9 @@ def collective_failures(backend: str):
 
 
 class Communicator:
+    # Whether a compiled step can call this backend's collectives (_traced_all_reduce, _traced_gather).
+    has_traced_collectives = False
+
     def __init__(self, rank: int = 0, world_size: int = 1):
         self.rank = rank
         self.world_size = world_size
@@ -110,6 +113,8 @@ class Communicator:
 
 
 class GlooCommunicator(Communicator):
+    has_traced_collectives = True
+
     def __init__(self, init: CommInit):
         import torch.distributed as dist
 

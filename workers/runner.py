@@ -12,7 +12,7 @@ import torch
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
-from warpspec.workers.comm import Communicator, GlooCommunicator, collective_failures
+from warpspec.workers.comm import Communicator, collective_failures
 from warpspec.workers.compiled_step import CompiledStepRunner
 from warpspec.workers.cpu_threads import fastest_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
@@ -60,12 +60,12 @@ class ModelRunner:
                       and triton_available())
         # On the CPU the same steps run compiled instead. Deterministic mode stays eager: its float64
         # weight copies are made on first use, a side effect a compiled graph would not keep.
-        # Over several CPU ranks (gloo, or shm, a GlooCommunicator too) the collectives are traced ones
-        # (Communicator._traced_all_reduce): as torch.distributed calls they split the graph twice per
-        # layer (measured on the bundled pair over 2 workers: 114 s to compile and 0.64x the eager speed).
+        # Over several CPU ranks the collectives are traced ones (Communicator._traced_all_reduce): as
+        # torch.distributed calls they split the graph twice per layer (measured on the bundled pair over
+        # 2 workers: 114 s to compile and 0.64x the eager speed).
         use_compiled = (cuda_graphs is not None and self.device.type == "cpu" and kernel_mode() == "auto"
                         and not deterministic
-                        and (self.model.comm.world_size == 1 or isinstance(self.model.comm, GlooCommunicator)))
+                        and (self.model.comm.world_size == 1 or self.model.comm.has_traced_collectives))
         # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
         self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
                                            self.cache_config.block_size, self.dtype, self.device)
@@ -103,8 +103,8 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> StepOutput:
         start = time.perf_counter()
-        meeting = collective_failures(type(self.model.comm).__name__) if self.compiled_ranks_meet else None
-        with meeting or contextlib.nullcontext():
+        backend = type(self.model.comm).__name__
+        with collective_failures(backend) if self.compiled_ranks_meet else contextlib.nullcontext():
             graphed = self.graph_runner.run(step) if self.graph_runner is not None else None
         if graphed is not None:
             logits, aux = graphed
