@@ -122,3 +122,21 @@ def test_a_dead_peer_ends_the_wait_with_collective_error():
 def test_shm_is_one_of_the_backends():
     with pytest.raises(ValueError, match="unknown collective backend 'shared'; use one of local, gloo, shm, nccl"):
         make_communicator(CommInit("shared", 0, 2))
+
+
+def test_a_host_without_x86_store_order_is_refused_before_joining(monkeypatch):
+    """The slots' safety rests on x86-64 store order (module docstring): elsewhere auto keeps gloo,
+    and an explicit shm is refused, naming the option, before any rank joins a group."""
+    from warpspec.workers import shm_comm
+
+    monkeypatch.setattr(shm_comm.platform, "machine", lambda: "aarch64")
+    assert not shm_comm.shared_memory_available()
+    with pytest.raises(ValueError, match="comm_backend='shm' needs an x86-64 host with /dev/shm; this is aarch64"):
+        shm_comm.SharedMemoryCommunicator(CommInit("shm", 0, 2))
+
+
+def test_more_ranks_than_the_flags_hold_are_refused():
+    from warpspec.workers.shm_comm import MAX_RANKS, SharedMemoryCommunicator
+
+    with pytest.raises(ValueError, match=f"comm_backend='shm' serves at most {MAX_RANKS} ranks, not 65"):
+        SharedMemoryCommunicator(CommInit("shm", 0, 65))
