@@ -49,7 +49,8 @@ def _train_draft(args: argparse.Namespace) -> None:
     config = TrainConfig(target=args.target, data=args.data, out=args.out, draft_vocab_size=args.draft_vocab_size,
                          intermediate_size=args.intermediate_size, steps=args.steps, seq_len=args.seq_len,
                          batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
-                         eval_every=args.eval_every, seed=args.seed)
+                         eval_every=args.eval_every, seed=args.seed,
+                         aux_layer_ids=tuple(args.aux_layers) if args.aux_layers else None)
     result = DraftTrainer(config).train()
     print(json.dumps(result))
     print(f"wrote the draft to {args.out}")
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--ttt-steps", type=int, default=3, help="unrolled draft steps per position")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--aux-layers", type=int, nargs=3, metavar="LAYER",
+                       help="the target layers whose entering hidden states the draft reads "
+                            "(default EAGLE-3's 2, L//2, L-3)")
     train.set_defaults(func=_train_draft)
 
     target = commands.add_parser("train-target", help="train the bundled Llama 4 MoE target on Debian's "

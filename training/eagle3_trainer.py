@@ -50,11 +50,15 @@ class TrainConfig:
     max_val_chunks: int = 64  # validation cost stays bounded on big corpora
     eval_every: int = 25
     seed: int = 0
+    # The target layers whose entering hidden states the draft reads; default EAGLE-3's (2, L//2, L-3).
+    aux_layer_ids: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("draft_vocab_size", "seq_len", "batch_size", "steps", "ttt_steps", "max_val_chunks", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must be three layer ids, got {list(self.aux_layer_ids)}")
         if self.seq_len < self.ttt_steps + 3:
             raise ValueError(f"seq_len {self.seq_len} is too short for {self.ttt_steps} unrolled steps")
         if not 0 < self.val_fraction < 1:
@@ -118,6 +122,12 @@ class DraftTrainer:
         size = min(self.config.draft_vocab_size, vocab)
         return counts.topk(size).indices.sort().values  # draft id i -> target id draft_ids[i]
 
+    def _aux_layer_ids(self, num_layers: int) -> tuple[int, int, int]:
+        ids = self.config.aux_layer_ids or (2, num_layers // 2, num_layers - 3)
+        if not all(0 <= i < num_layers for i in ids):
+            raise ValueError(f"aux_layer_ids {list(ids)} must name layers of the target, 0 to {num_layers - 1}")
+        return tuple(ids)
+
     def _init_draft(self) -> Eagle3Draft:
         target = self.target.config
         heads = target.num_attention_heads
@@ -127,7 +137,7 @@ class DraftTrainer:
                               head_dim=target.head_dim, intermediate_size=self.config.intermediate_size
                               or target.intermediate_size, vocab_size=target.vocab_size,
                               draft_vocab_size=len(self.draft_ids), rms_norm_eps=target.rms_norm_eps,
-                              rope_theta=10000.0, aux_layer_ids=(2, layers // 2, layers - 3))
+                              rope_theta=10000.0, aux_layer_ids=self._aux_layer_ids(layers))
         embed = self.target.model.model.embed_tokens.weight.detach()
         draft = Eagle3Draft(config, embed, torch.float32)
         with torch.no_grad():

@@ -53,3 +53,16 @@ def test_bad_training_input(tmp_path, corpus):
     bad.write_text('{"text": "fine"}\n{"txt": "wrong field"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object with a 'text' or 'token_ids' field"):
         DraftTrainer(TrainConfig(target=str(target), data=str(bad), out=str(tmp_path / "o")))
+
+
+def test_the_draft_reads_the_layers_asked_for(tmp_path, corpus):
+    target = create_random_checkpoint(tmp_path / "target", "tiny")  # 4 layers
+    config = TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "o"), aux_layer_ids=(0, 1, 3))
+    assert DraftTrainer(config).draft.config.aux_layer_ids == (0, 1, 3)
+    assert DraftTrainer(TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "o"))
+                        ).draft.config.aux_layer_ids == (2, 2, 1)  # (2, L // 2, L - 3)
+    with pytest.raises(ValueError, match=r"aux_layer_ids \[1, 3, 4\] must name layers of the target, 0 to 3"):
+        DraftTrainer(TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "o"),
+                                 aux_layer_ids=(1, 3, 4)))
+    with pytest.raises(ValueError, match=r"aux_layer_ids must be three layer ids, got \[1, 3\]"):
+        TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "o"), aux_layer_ids=(1, 3))
