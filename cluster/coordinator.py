@@ -234,7 +234,7 @@ class Coordinator:
         """Every rank builds its compiled step graphs (ModelRunner.warm_up) at once: the warm-up steps
         meet in their collectives."""
         pending = [w.warm_up.remote(aux_layer_ids) for w in self.workers]
-        self.rank0.runner.warm_up(aux_layer_ids)
+        self.rank0.warm_up(aux_layer_ids)
         unwrap_ray_errors(lambda: ray.get(pending))
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -267,9 +267,9 @@ class Coordinator:
                 pending = self.graph.execute(step_bytes)
             else:
                 pending = [w.execute.remote(step_bytes) for w in self.workers]
-            output = self.rank0.runner.execute(step)
+            output = self.rank0.execute_step(step)
             replies = ray.get(pending) if self.workers else []
-        except CollectiveError as e:  # rank 0's collective broke: a peer died
+        except CollectiveError as e:  # rank 0's collective broke: a peer died, or failed its part
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {e}") from None
         except (RayActorError, RayTaskError, RayChannelError) as e:
@@ -280,6 +280,15 @@ class Coordinator:
                 raise e.cause from None
             self.is_broken = True
             raise WorkerDiedError(f"a worker of this replica died during a step: {str(e).splitlines()[0]}") from None
+        except Exception as e:
+            if not self.rank0.comm.abandoned:
+                raise
+            # Rank 0 failed part-way and abandoned the group (failing_together): its peers ended the
+            # step with it, and their collectives no longer pair up with its own.
+            self.is_broken = True
+            first_line = (str(e).splitlines() or [""])[0][:200]
+            raise WorkerDiedError(f"rank 0 failed its part of a step ({type(e).__name__}: {first_line}); "
+                                  "the replica must be rebuilt") from e
         return output, replies
 
     def record_timings(self, enabled: bool) -> None:

@@ -55,6 +55,7 @@ class Communicator:
         self.rank = rank
         self.world_size = world_size
         self.num_collectives = 0  # counted so tests can hold the decode path to its budget
+        self.abandoned = False  # this rank left a step part-way (failing_together)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns the reduced tensor (possibly x itself, reduced in place)."""
@@ -90,6 +91,23 @@ class Communicator:
         if residual is None:
             return rms_norm(reduced, weight, eps), reduced
         return add_rms_norm(reduced, residual, weight, eps)
+
+    @contextlib.contextmanager
+    def failing_together(self):
+        """Run one rank's part of a step; if it raises, this rank abandons the group first (abandon),
+        so that peers waiting for it in a collective fail too instead of waiting out the timeout. The
+        ranks' collectives no longer pair up after that: the group must be rebuilt."""
+        try:
+            yield
+        except BaseException:
+            if self.world_size > 1:
+                self.abandoned = True
+                self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Tell the peers this rank will not arrive. Gloo has no way to: its peers wait out gloo's
+        timeout (SharedMemoryCommunicator can)."""
 
     def close(self) -> None:
         pass

@@ -26,7 +26,9 @@ SLOT_BYTES.
 
 A peer that dies holds no lock on its byte of the segment any more (the kernel drops a dead
 process's record locks), which a waiting rank tests now and then: the wait ends in CollectiveError,
-as gloo's "Connection closed by peer" does.
+as gloo's "Connection closed by peer" does. A peer that fails its part of a step (an exception in
+`failing_together`) publishes ABANDONED instead of a sequence number, which ends its peers' waits in
+CollectiveError at once.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ YIELD_S = 5e-3
 SLEEP_S = 100e-6
 LIVENESS_EVERY_S = 0.01  # while waiting, test this often whether the peers still live
 TIMEOUT_S = 1800.0  # a live peer that never arrives: gloo's default timeout
+# A rank's flag once it has abandoned the group. An arrived peer's flag is seq or seq + 1 (it may
+# publish the next exchange before this rank has read the current one), so anything above that is this.
+ABANDONED = 1 << 62
 
 
 def shared_memory_available() -> bool:
@@ -144,6 +149,9 @@ class SharedMemoryCommunicator(GlooCommunicator):
     def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
         """Publish part ([n] contiguous), wait for every rank's, and return all of them in rank order
         as views of the slots: valid until this rank's next exchange."""
+        if self.abandoned:
+            raise CollectiveError(f"shm collective refused: rank {self.rank} abandoned its group; "
+                                  "the replica must be rebuilt")
         self.seq += 1
         views = self._slot_views(self.seq % 2, part.numel(), part.dtype)
         views[self.rank].copy_(part)
@@ -180,6 +188,9 @@ class SharedMemoryCommunicator(GlooCommunicator):
                 if now > next_liveness:
                     self._check_alive(peer, waited_s)
                     next_liveness = now + LIVENESS_EVERY_S
+            if flags[peer] > seq + 1:
+                raise CollectiveError(f"shm collective failed: rank {peer} failed its part of the step "
+                                      f"(collective {seq})")
 
     def _check_alive(self, peer: int, waited_s: float) -> None:
         try:
@@ -191,6 +202,9 @@ class SharedMemoryCommunicator(GlooCommunicator):
             return  # the peer holds its lock: alive
         fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, peer)
         raise CollectiveError(f"shm collective failed: rank {peer} died (collective {self.seq})")
+
+    def abandon(self) -> None:
+        self.flags[self.rank] = ABANDONED
 
     # ---- inside a compiled step -----------------------------------------------------------------
 

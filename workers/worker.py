@@ -17,7 +17,8 @@ from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.persistent_batch import PersistentBatch, StepDelta
-from warpspec.workers.runner import ModelRunner
+from warpspec.workers.runner import ModelRunner, StepOutput
+from warpspec.workers.step import StepInput
 
 
 @dataclass
@@ -66,12 +67,19 @@ class ShardWorker:
         """Encoded StepDelta -> (compute seconds, encoded StepOutput). The delta brings this rank's
         persistent batch to the step (persistent_batch.py). The time travels beside the payload so
         the coordinator need not decode it to read the time."""
-        output = self.runner.execute(self.batch.apply(StepDelta.from_bytes(step_bytes)))
+        with self.comm.failing_together():
+            output = self.runner.execute(self.batch.apply(StepDelta.from_bytes(step_bytes)))
         return output.compute_s, output.to_bytes()
+
+    def execute_step(self, step: StepInput) -> StepOutput:
+        """Rank 0's part of a step, run in the coordinator (which plans the batch: no delta)."""
+        with self.comm.failing_together():
+            return self.runner.execute(step)
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """ModelRunner.warm_up, at the same time as every other rank."""
-        self.runner.warm_up(aux_layer_ids)
+        with self.comm.failing_together():
+            self.runner.warm_up(aux_layer_ids)
 
     def num_collectives(self) -> int:
         return self.comm.num_collectives

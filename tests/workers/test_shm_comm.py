@@ -1,6 +1,7 @@
 """Same-host CPU ranks meet in shared memory (workers/shm_comm.py): sums that agree bit for bit on
-every rank, in chunks when a tensor outgrows a slot; gathers; one graph when compiled; a dead peer
-ends the wait with CollectiveError; the segment's name is gone once every rank has mapped it."""
+every rank, in chunks when a tensor outgrows a slot; gathers; one graph when compiled; a dead peer,
+or one that fails its part of a step, ends the wait with CollectiveError; the segment's name is gone
+once every rank has mapped it."""
 
 from __future__ import annotations
 
@@ -70,6 +71,26 @@ def _peer_dies(rank: int, port: int, results) -> None:
         results[rank] = (str(e), time.monotonic() - start)
 
 
+def _peer_fails(rank: int, port: int, results) -> None:
+    """Rank 1's part of a step raises before its collective; rank 0 waits for it in one."""
+    torch.set_num_threads(1)
+    comm = _join(port, rank)
+    comm.all_reduce(torch.ones(4))
+    start = time.monotonic()
+    outcomes = []
+    for _ in range(2):  # the step that fails, then one after it
+        try:
+            with comm.failing_together():
+                if rank == 1:
+                    raise ValueError("a bad step delta")
+                comm.all_reduce(torch.ones(4))
+            outcomes.append("returned")
+        except (CollectiveError, ValueError) as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    results[rank] = (outcomes, time.monotonic() - start, comm.abandoned)
+    comm.close()
+
+
 def _run(target, a_rank_exits: bool = False) -> dict:
     """Each rank's results. A rank that raises fails the test with its traceback; when a rank is
     meant to exit, the others are waited for one by one (the context would kill them at its exit)."""
@@ -117,6 +138,16 @@ def test_a_dead_peer_ends_the_wait_with_collective_error():
     message, waited_s = _run(_peer_dies, a_rank_exits=True)[0]
     assert "rank 1 died" in message
     assert waited_s < 5.0  # the liveness test runs every 10 ms of waiting
+
+
+def test_a_peer_that_fails_its_part_of_a_step_ends_the_wait_at_once():
+    """Without abandonment rank 0 would wait out TIMEOUT_S (30 min) for a live rank 1 that raised."""
+    results = _run(_peer_fails)
+    outcomes, waited_s, abandoned = results[0]
+    assert outcomes[0] == "CollectiveError: shm collective failed: rank 1 failed its part of the step (collective 2)"
+    assert outcomes[1].startswith("CollectiveError: shm collective refused: rank 0 abandoned its group")
+    assert waited_s < 5.0 and abandoned  # rank 0 failed in turn, abandoning too
+    assert results[1][0] == ["ValueError: a bad step delta"] * 2 and results[1][2]
 
 
 def test_shm_is_one_of_the_backends():
