@@ -2,7 +2,9 @@
 Markdown. 1) every Triton kernel against its torch reference: error and time; 2) bandwidth that
 decode attention and the small-batch MoE achieve against a plain copy; 3) one simulated Maverick
 rank in FP8 with CUDA graphs: decode and 4-token verify at batch 1 and 8, the bytes each step must
-read and the time floor they imply, and a projection of tokens/s per user on 8 GPUs.
+read and the time floor they imply; 4) the EAGLE-3 draft at Maverick's width, timed per speculative
+step; and a projection of tokens/s per user on 8 GPUs that counts the rank, its all-reduces, the
+engine's host time per step and the draft.
 
 On one H200 it finishes in a few minutes. `--tiny` shrinks every shape so the same code runs on a
 CPU (Triton under its interpreter, the model on the torch references): the tests run it that way.
@@ -26,6 +28,9 @@ DEFAULT_ACCEPTANCE = 2.89
 # One-shot all-reduce of a few KB over NVLink (TensorRT-LLM's custom kernel class); NCCL's ring is
 # slower at this size, hence the sweep in the report.
 DEFAULT_ALLREDUCE_US = 8.0
+# The engine's host time per step outside the slowest rank's compute, p50: `warpspec bench dispatch`
+# (2 workers, 8 decoding sequences, the 2-core CPU machine, 2026-12-01). Pass the GPU host's own.
+DEFAULT_HOST_MS = 0.594
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (median)")
     parser.add_argument("--allreduce-us", type=float, default=DEFAULT_ALLREDUCE_US)
     parser.add_argument("--acceptance-length", type=float, default=DEFAULT_ACCEPTANCE)
+    parser.add_argument("--host-ms", type=float, default=DEFAULT_HOST_MS,
+                        help="the engine's host time per step (warpspec bench dispatch's host overhead p50)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="k, the draft length")
     parser.add_argument("--skip-simulation", action="store_true", help="kernels and bandwidth only")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.tiny:
             parser.error("no GPU here: use --tiny to run the check on the CPU")
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    from warpspec.benchmarks import kernel_check, maverick_rank
+    from warpspec.benchmarks import kernel_check, maverick_draft, maverick_rank
     from warpspec.benchmarks.timing import copy_bandwidth_gbs
 
     repeats = args.repeats or (3 if args.tiny else 50)
@@ -67,12 +75,21 @@ def main(argv: list[str] | None = None) -> int:
                 report["errors"].append(f"simulation ({layout}): {type(e).__name__}: {str(e)[:500]}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        draft_shape = maverick_draft.DraftShape.tiny() if args.tiny else maverick_draft.DraftShape()
+        try:
+            report["draft"] = maverick_draft.run_draft_simulation(draft_shape, device, max(3, repeats // 5),
+                                                                  args.num_speculative_tokens)
+        except Exception as e:  # the projection then counts no draft time, and says so
+            report["draft"] = []
+            report["errors"].append(f"draft simulation: {type(e).__name__}: {str(e)[:500]}")
+        draft_ms = {row["batch"]: row["draft_ms"] for row in report["draft"]}
         report["projection"] = {
             f"{us:g}us": maverick_rank.project(report["simulation"], copy_gbs, shape.num_layers, us,
-                                               args.acceptance_length)
+                                               args.acceptance_length, args.host_ms, draft_ms)
             for us in sorted({args.allreduce_us, 5.0, 20.0})}
     report["acceptance_length"] = args.acceptance_length
     report["allreduce_us"] = args.allreduce_us
+    report["host_ms"] = args.host_ms
     report["wall_s"] = time.perf_counter() - started
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,15 +126,23 @@ def render(report: dict) -> str:
             floor = r["total_gb"] / report["copy_bandwidth_gbs"] * 1e3
             lines.append(f"| {r['moe_parallel']} | {r['batch']} | {r['query_len']} | {r['eager_ms']:.3f} | {graph} | "
                          f"{r['total_gb'] * 1e3:,.1f} | {floor:.3f} |")
-        lines += ["", f"Projection on 8 GPUs: rank time + 2 all-reduces x layers at the stated latency; a verify "
-                  f"step yields {report['acceptance_length']} tokens (acceptance length), a decode step 1.", "",
-                  "| all-reduce latency | experts | batch | tokens/seq | step ms | tokens/s per user |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "The EAGLE-3 draft (bf16, Maverick's width, unsharded beside rank 0) per speculative step: a "
+                  "catch-up forward over k+1 tokens a sequence, then k-1 forwards of one:", "",
+                  "| batch | catch-up ms | one-token forward ms | draft ms per step |", "|---|---|---|---|"]
+        for d in report["draft"]:
+            lines.append(f"| {d['batch']} | {d['catch_up_ms']:.3f} | {d['single_token_ms']:.3f} "
+                         f"| {d['draft_ms']:.3f} |")
+        lines += ["", f"Projection on 8 GPUs: a step is the rank's time + 2 all-reduces x layers at the stated latency "
+                  f"+ {report['host_ms']} ms of host time (`warpspec bench dispatch`) + the draft's time on a verify "
+                  f"step, which yields {report['acceptance_length']} tokens (acceptance length); a decode step "
+                  "yields 1.", "",
+                  "| all-reduce latency | experts | batch | tokens/seq | rank ms | all-reduce ms | host ms | draft ms "
+                  "| step ms | tokens/s per user |", "|---|---|---|---|---|---|---|---|---|---|"]
         for latency, rows in report["projection"].items():
             for p in rows:
-                step_ms = p["rank_ms"] + p["allreduce_ms"]
-                lines.append(f"| {latency} | {p['moe_parallel']} | {p['batch']} | {p['query_len']} | {step_ms:.3f} | "
-                             f"{p['tok_s_per_user']:.0f} |")
+                lines.append(f"| {latency} | {p['moe_parallel']} | {p['batch']} | {p['query_len']} "
+                             f"| {p['rank_ms']:.3f} | {p['allreduce_ms']:.3f} | {p['host_ms']:.3f} "
+                             f"| {p['draft_ms']:.3f} | {p['step_ms']:.3f} | {p['tok_s_per_user']:.0f} |")
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in report["errors"]]]
     return "\n".join(lines) + "\n"

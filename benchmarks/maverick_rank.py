@@ -156,17 +156,23 @@ def _eager(model, step: StepInput, device: torch.device):
 
 
 def project(rows: list[dict], copy_gbs: float, num_layers: int, allreduce_us: float,
-            acceptance_length: float) -> list[dict]:
-    """Tokens/s per user on 8 GPUs: each step is the measured rank time plus 2 all-reduces per layer;
-    a verify step of k+1 tokens yields `acceptance_length` tokens on average, a decode step one."""
+            acceptance_length: float, host_ms: float = 0.0,
+            draft_ms_by_batch: dict[int, float] | None = None) -> list[dict]:
+    """Tokens/s per user on 8 GPUs. A step is the measured rank time, 2 all-reduces per layer, the
+    engine's host time (scheduling, dispatch, sampling; `warpspec bench dispatch`) and, for a verify
+    step of k+1 tokens, the draft's proposal of the next k (maverick_draft.py). A verify step yields
+    `acceptance_length` tokens on average, a decode step one."""
     out = []
     for r in rows:
         batch, q = r["batch"], r["query_len"]
         measured = r.get("graph_ms", r["eager_ms"])
         comm_ms = 2 * num_layers * allreduce_us / 1e3
         tokens = acceptance_length if q > 1 else 1.0
+        draft_ms = (draft_ms_by_batch or {}).get(batch, 0.0) if q > 1 else 0.0
+        step_ms = measured + comm_ms + host_ms + draft_ms
         floor_ms = r["total_gb"] / copy_gbs * 1e3
         out.append({"moe_parallel": r["moe_parallel"], "batch": batch, "query_len": q, "rank_ms": measured,
                     "floor_ms": floor_ms, "fraction_of_floor": floor_ms / measured, "allreduce_ms": comm_ms,
-                    "tokens_per_step": tokens, "tok_s_per_user": tokens / (measured + comm_ms) * 1e3})
+                    "host_ms": host_ms, "draft_ms": draft_ms, "step_ms": step_ms,
+                    "tokens_per_step": tokens, "tok_s_per_user": tokens / step_ms * 1e3})
     return out

@@ -44,13 +44,35 @@ def test_tiny_gpu_check_reports_every_part(tmp_path):
     projection = report["projection"]["8us"]
     assert {p["tokens_per_step"] for p in projection} == {1.0, report["acceptance_length"]}
     assert {p["moe_parallel"] for p in projection} == {"tensor", "expert"}
+    draft = {d["batch"]: d for d in report["draft"]}
+    assert set(draft) == {1, 8}
+    for d in draft.values():  # a catch-up over k+1 tokens, then k-1 one-token forwards
+        assert d["draft_ms"] == pytest.approx(d["catch_up_ms"] + 2 * d["single_token_ms"])
+    for p in projection:  # every step pays the host time; only verification pays the draft
+        assert p["host_ms"] == report["host_ms"] > 0
+        assert p["draft_ms"] == (draft[p["batch"]]["draft_ms"] if p["query_len"] > 1 else 0.0)
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| kernel | relative error |" in markdown and "tokens/s per user" in markdown
+    assert "| batch | catch-up ms | one-token forward ms | draft ms per step |" in markdown
+
+
+def test_the_projection_counts_host_and_draft_time():
+    from warpspec.benchmarks.maverick_rank import project
+
+    rows = [{"moe_parallel": "tensor", "batch": 1, "query_len": q, "graph_ms": 2.0, "eager_ms": 9.0, "total_gb": 1.0}
+            for q in (1, 4)]
+    decode, verify = project(rows, copy_gbs=1000.0, num_layers=48, allreduce_us=10.0, acceptance_length=3.0,
+                             host_ms=0.5, draft_ms_by_batch={1: 0.54})
+    # 2 ms of rank time (the graph's), 2 x 48 all-reduces of 10 us, 0.5 ms of host time
+    assert decode["step_ms"] == pytest.approx(2.0 + 0.96 + 0.5)
+    assert decode["tok_s_per_user"] == pytest.approx(1e3 / 3.46)
+    assert verify["step_ms"] == pytest.approx(2.0 + 0.96 + 0.5 + 0.54)
+    assert verify["tok_s_per_user"] == pytest.approx(3.0e3 / 4.0)
 
 
 def test_gpu_check_imports_without_ray():
     code = ("import sys, warpspec.benchmarks.gpu_check, warpspec.benchmarks.kernel_check, "
-            "warpspec.benchmarks.maverick_rank; print('ray' in sys.modules)")
+            "warpspec.benchmarks.maverick_rank, warpspec.benchmarks.maverick_draft; print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
