@@ -27,8 +27,9 @@ SLOT_BYTES.
 A peer that dies holds no lock on its byte of the segment any more (the kernel drops a dead
 process's record locks), which a waiting rank tests now and then: the wait ends in CollectiveError,
 as gloo's "Connection closed by peer" does. A peer that fails its part of a step (an exception in
-`failing_together`) publishes ABANDONED instead of a sequence number, which ends its peers' waits in
-CollectiveError at once.
+`failing_together`) replaces its flag s with ~s (-s - 1: negative, and still saying it published s),
+which ends a wait for anything after s in CollectiveError at once. A wait for s itself still
+succeeds: the peer may abandon right after publishing s, before this rank has looked.
 """
 
 from __future__ import annotations
@@ -59,9 +60,6 @@ YIELD_S = 5e-3
 SLEEP_S = 100e-6
 LIVENESS_EVERY_S = 0.01  # while waiting, test this often whether the peers still live
 TIMEOUT_S = 1800.0  # a live peer that never arrives: gloo's default timeout
-# A rank's flag once it has abandoned the group. An arrived peer's flag is seq or seq + 1 (it may
-# publish the next exchange before this rank has read the current one), so anything above that is this.
-ABANDONED = 1 << 62
 
 
 def shared_memory_available() -> bool:
@@ -176,7 +174,12 @@ class SharedMemoryCommunicator(GlooCommunicator):
         seq, flags = self.seq, self.flags
         start = next_liveness = None
         for peer in range(self.world_size):
-            while flags[peer] < seq:
+            while (flag := flags[peer]) < seq:
+                if flag < 0:  # the peer abandoned the group after publishing ~flag (module docstring)
+                    if ~flag >= seq:
+                        break
+                    raise CollectiveError(f"shm collective failed: rank {peer} failed its part of the step "
+                                          f"(collective {seq})")
                 now = time.perf_counter()
                 if start is None:
                     start, next_liveness = now, now + LIVENESS_EVERY_S
@@ -188,9 +191,6 @@ class SharedMemoryCommunicator(GlooCommunicator):
                 if now > next_liveness:
                     self._check_alive(peer, waited_s)
                     next_liveness = now + LIVENESS_EVERY_S
-            if flags[peer] > seq + 1:
-                raise CollectiveError(f"shm collective failed: rank {peer} failed its part of the step "
-                                      f"(collective {seq})")
 
     def _check_alive(self, peer: int, waited_s: float) -> None:
         try:
@@ -204,7 +204,9 @@ class SharedMemoryCommunicator(GlooCommunicator):
         raise CollectiveError(f"shm collective failed: rank {peer} died (collective {self.seq})")
 
     def abandon(self) -> None:
-        self.flags[self.rank] = ABANDONED
+        published = int(self.flags[self.rank])
+        if published >= 0:
+            self.flags[self.rank] = ~published
 
     # ---- inside a compiled step -----------------------------------------------------------------
 

@@ -5,6 +5,7 @@ once every rank has mapped it."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import time
@@ -91,6 +92,35 @@ def _peer_fails(rank: int, port: int, results) -> None:
     comm.close()
 
 
+def _peer_abandons_right_after_publishing(rank: int, port: int, results) -> None:
+    """Rank 1 publishes collective 1, then abandons before rank 0 has looked at its flag (rank 0
+    waits 0.5 s before looking): collective 1 must still succeed on rank 0, and collective 2 fail."""
+    from warpspec.workers.shm_comm import SharedMemoryCommunicator
+
+    class SlowToLook(SharedMemoryCommunicator):
+        def _wait_for_peers(self) -> None:
+            time.sleep(0.5)
+            super()._wait_for_peers()
+
+    torch.set_num_threads(1)
+    comm = (SlowToLook if rank == 0 else SharedMemoryCommunicator)(CommInit("shm", rank, 2, "127.0.0.1", port),
+                                                                   slot_bytes=SLOT_BYTES)
+    first = comm.all_reduce(torch.full((4,), rank + 1.0))
+    if rank == 1:
+        with contextlib.suppress(ValueError), comm.failing_together():
+            raise ValueError("a bad step delta")
+        time.sleep(2.0)  # keep the segment's peer alive while rank 0 reads collective 1
+        results[rank] = (first, None)
+        return
+    try:
+        comm.all_reduce(torch.ones(4))
+        second = "returned"
+    except CollectiveError as e:
+        second = str(e)
+    results[rank] = (first, second)
+    comm.close()
+
+
 def _run(target, a_rank_exits: bool = False) -> dict:
     """Each rank's results. A rank that raises fails the test with its traceback; when a rank is
     meant to exit, the others are waited for one by one (the context would kill them at its exit)."""
@@ -148,6 +178,14 @@ def test_a_peer_that_fails_its_part_of_a_step_ends_the_wait_at_once():
     assert outcomes[1].startswith("CollectiveError: shm collective refused: rank 0 abandoned its group")
     assert waited_s < 5.0 and abandoned  # rank 0 failed in turn, abandoning too
     assert results[1][0] == ["ValueError: a bad step delta"] * 2 and results[1][2]
+
+
+def test_a_peer_that_abandons_right_after_publishing_still_counts_as_arrived():
+    """Found by CI: rank 1 had published and abandoned before rank 0 looked, and rank 0 failed a
+    collective whose data was all there."""
+    first, second = _run(_peer_abandons_right_after_publishing)[0]
+    assert torch.equal(first, torch.full((4,), 3.0))
+    assert second == "shm collective failed: rank 1 failed its part of the step (collective 2)"
 
 
 def test_shm_is_one_of_the_backends():
