@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from warpspec.benchmarks.maverick_rank import fill_random
 from warpspec.benchmarks.timing import median_ms
 from warpspec.kernels import PagedAttentionMetadata
 from warpspec.workers.eagle3 import Eagle3Config, Eagle3Draft
@@ -51,16 +52,13 @@ class DraftShape:
 def build_draft(shape: DraftShape, device: torch.device, num_blocks: int, block_size: int,
                 dtype=torch.bfloat16) -> Eagle3Draft:
     gen = torch.Generator(device=device).manual_seed(0)
-    embed = torch.randn(shape.vocab, shape.hidden, generator=gen, device=device).mul_(0.02).to(dtype)
+    embed = torch.empty(shape.vocab, shape.hidden, dtype=dtype, device=device)
     with torch.device(device):
         draft = Eagle3Draft(shape.config(), embed, dtype)
     with torch.no_grad():
+        fill_random("embed_tokens", embed, gen)
         for name, param in draft.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
-    draft.inv_freq = draft.inv_freq.to(device)
+            fill_random(name, param, gen)
     draft.kv_cache = torch.zeros(2, num_blocks, block_size, shape.kv_heads, shape.head_dim, dtype=dtype,
                                  device=device)
     return draft.eval()
@@ -76,21 +74,20 @@ def run_draft_simulation(shape: DraftShape, device: torch.device, repeats: int, 
     draft = build_draft(shape, device, max(batches) * blocks_per_seq, block_size)
     rows = []
     for batch in batches:
-        catch_up_ms = median_ms(lambda b=batch: _forward(draft, shape, b, k + 1, blocks_per_seq, block_size, device),
-                                device, repeats)
-        step_ms = median_ms(lambda b=batch: _forward(draft, shape, b, 1, blocks_per_seq, block_size, device),
-                            device, repeats)
+        catch_up = _draft_inputs(shape, batch, k + 1, blocks_per_seq, block_size, device, draft.fc.dtype)
+        one_token = _draft_inputs(shape, batch, 1, blocks_per_seq, block_size, device, draft.fc.dtype)
+        catch_up_ms = median_ms(lambda i=catch_up: _propose(draft, i), device, repeats)
+        step_ms = median_ms(lambda i=one_token: _propose(draft, i), device, repeats)
         rows.append({"batch": batch, "catch_up_ms": catch_up_ms, "single_token_ms": step_ms,
                      "draft_ms": catch_up_ms + (k - 1) * step_ms, "num_speculative_tokens": k})
     return rows
 
 
-def _forward(draft: Eagle3Draft, shape: DraftShape, batch: int, query_len: int, blocks_per_seq: int,
-             block_size: int, device: torch.device) -> torch.Tensor:
-    """One draft forward of query_len new tokens for each of batch sequences with shape.context
-    tokens cached, its draft tokens chosen greedily (the argmax runs on the device, as in serving).
-    The catch-up reads the target's three hidden states through `fc`; a single-token step reads the
-    draft's own previous output (hidden wide) and skips it."""
+def _draft_inputs(shape: DraftShape, batch: int, query_len: int, blocks_per_seq: int, block_size: int,
+                  device: torch.device, dtype: torch.dtype) -> tuple:
+    """One draft forward's inputs: query_len new tokens for each of batch sequences with
+    shape.context tokens cached. The catch-up reads the target's three hidden states through `fc`; a
+    single-token step reads the draft's own previous output (hidden wide) and skips it."""
     num_tokens = batch * query_len
     seq_len = shape.context + query_len
     positions = torch.arange(shape.context, seq_len, device=device).repeat(batch)
@@ -100,7 +97,12 @@ def _forward(draft: Eagle3Draft, shape: DraftShape, batch: int, query_len: int, 
     meta = PagedAttentionMetadata(query_start_loc, torch.full((batch,), seq_len, device=device), block_tables,
                                   block_size, query_len, seq_len, num_tokens=num_tokens, is_uniform=True)
     width = 3 * shape.hidden if query_len > 1 else shape.hidden
-    features = torch.zeros(num_tokens, width, dtype=draft.fc.dtype, device=device)
+    features = torch.zeros(num_tokens, width, dtype=dtype, device=device)
     token_ids = torch.full((num_tokens,), 7, device=device)
-    logits, _ = draft(token_ids, features, positions, slot_mapping, meta)
+    return token_ids, features, positions, slot_mapping, meta
+
+
+def _propose(draft: Eagle3Draft, inputs: tuple) -> torch.Tensor:
+    """One draft forward and its greedy draft tokens (the argmax runs on the device, as in serving)."""
+    logits, _ = draft(*inputs)
     return draft.to_target_ids(logits.max(dim=-1).indices)

@@ -80,11 +80,11 @@ def build_rank(shape: RankShape, device: torch.device, dtype=torch.bfloat16) -> 
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            _fill_random(name, param, gen)
+            fill_random(name, param, gen)
     return model.eval()
 
 
-def _fill_random(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
+def fill_random(name: str, param: torch.Tensor, gen: torch.Generator) -> None:
     """Weights of a plausible scale, one expert (or row block) at a time so no big float copy exists."""
     if name.endswith("_scale"):
         param.fill_(0.02 / 64)  # FP8 values spread over +-4 sigma of N(0, 64) -> weights ~ N(0, 0.02)
