@@ -49,6 +49,13 @@ def use_compile_cache(run_dir: str | Path) -> None:
 
 MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
 
+# The step's host code in C++ as well (inductor's cpp_wrapper): the default wrapper is Python that
+# allocates each buffer and calls each kernel and GEMM, ~100 calls a step. Two engines in one
+# process, generations alternating, 16 pairs each: 1.15x the tokens/s of plain decoding at batch 1
+# (1.10-1.26) and 1.14x with EAGLE-3 (1.06-1.26), the same tokens
+# (benchmarks/results/2026-12-02-cpp-wrapper-cpu.md). It costs compile time once, cached.
+INDUCTOR_PATCHES = {"cpp_wrapper": True}
+
 
 class CountingCompiler:
     """torch.compile with inductor that counts the graphs it builds and the calls it serves (tests
@@ -74,7 +81,7 @@ class CountingCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         self.num_compiles += 1
-        return compile_fx(graph_module, example_inputs)
+        return compile_fx(graph_module, example_inputs, config_patches=INDUCTOR_PATCHES)
 
     def seal(self) -> None:
         self.sealed = True
