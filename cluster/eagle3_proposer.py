@@ -17,7 +17,9 @@ On a CPU every steady-state draft step runs as one compiled graph. After a verif
 catches up on 1 to k + 1 positions (the accepted drafts and the bonus token); that catch-up is padded
 to k + 1 positions, repeating the last token and feature, so every request's looks alike and one
 graph serves any mix of acceptances. The padded positions lie past the last known token, where
-drafts write scratch KV anyway: their KV and logits are never read. A catch-up over more positions (a
+drafts write scratch KV anyway: their KV and logits are never read. Of the real positions only the
+last one's output is read (by the next draft step), so a compiled catch-up writes KV for every row
+and runs attention, the MLP and lm_head for that row alone. A catch-up over more positions (a
 prompt, or a recompute after preemption) runs eagerly, with its dense halves compiled.
 
 When every request drafts greedily and wants all k drafts (the steady state of greedy serving), the
@@ -143,10 +145,10 @@ class Eagle3Proposer:
         """The padded catch-up as one compiled step; the logits and pre-norm output at the last real
         position of each request that wants drafts (as _run returns them)."""
         step, features, last = self._padded_catch_up(requests, features, tables)
-        logits, prenorm = self._run_compiled(self.compiled_catch_up, self._compiled_inputs(step, features),
+        logits, prenorm = self._run_compiled(self.compiled_catch_up, self._compiled_inputs(step, features, last),
                                              self._graph_of(step))
         wants_drafts = torch.tensor([bool(r.num_drafts) for r in requests], device=self.device)
-        return logits[last[wants_drafts]], prenorm[last[wants_drafts]]
+        return logits[wants_drafts], prenorm[wants_drafts]
 
     def _run_greedy_proposal(self, requests: list[DraftRequest], features: torch.Tensor,
                              tables: list[list[int]]) -> list[list[int]]:
@@ -163,12 +165,13 @@ class Eagle3Proposer:
             return compiled(*inputs)
 
     @staticmethod
-    def _compiled_inputs(step: StepInput, features: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The arguments of _decode_forward / _catch_up_forward: block tables widened, the varying
-        sizes marked dynamic (workers/compiled_step.py)."""
+    def _compiled_inputs(step: StepInput, features: torch.Tensor,
+                         last_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The arguments of _decode_forward, or with last_rows of _catch_up_forward: block tables
+        widened, the varying sizes marked dynamic (workers/compiled_step.py)."""
         block_tables = widen_block_tables(step.block_tables)
         inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
-                  step.slot_mapping)
+                  step.slot_mapping, *(() if last_rows is None else (last_rows,)))
         mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
         return inputs
 
@@ -193,19 +196,37 @@ class Eagle3Proposer:
                                      slot_mapping, 1)
 
     def _catch_up_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables,
-                          slot_mapping):
-        """catch_up_len tokens per request (the target's features), logits for each."""
-        return self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens, block_tables,
-                                     slot_mapping, self.catch_up_len)
+                          slot_mapping, last_rows):
+        """catch_up_len tokens per request (the target's features): the logits and pre-norm output
+        at each request's last real row (last_rows)."""
+        # Unused: only the last rows attend, with one-row-per-request metadata of their own.
+        del query_start_loc, seq_lens
+        logits, prenorm, _ = self._last_rows_of_catch_up(input_ids, features, positions, block_tables, slot_mapping,
+                                                         last_rows)
+        return logits, prenorm
+
+    def _last_rows_of_catch_up(self, input_ids, features, positions, block_tables, slot_mapping, last_rows):
+        """The padded catch-up: KV for every row, then attention, MLP and logits only at last_rows,
+        the one row per request whose output the next draft step reads. The others' outputs were
+        never read: only their KV is (a 4-row catch-up's lm_head, MLP and attention then run on 1).
+        Returns the logits, pre-norm outputs and positions of last_rows."""
+        q, residual = self.draft.write_kv(input_ids, features, positions, slot_mapping)
+        position = positions[last_rows]
+        one_token_each = torch.arange(last_rows.shape[0] + 1, device=last_rows.device)
+        meta = PagedAttentionMetadata(one_token_each, position + 1, block_tables, self.block_size, 1,
+                                      block_tables.shape[1] * self.block_size, num_tokens=last_rows.shape[0],
+                                      is_uniform=True)
+        logits, prenorm = self.draft.attend(q[last_rows], residual[last_rows], meta)
+        return logits, prenorm, position
 
     def _greedy_proposal_forward(self, input_ids, features, positions, query_start_loc, seq_lens, block_tables,
                                  slot_mapping, last_rows):
         """The padded catch-up (last_rows: each request's last real row), then k - 1 single-token
         steps, each on the argmax of the one before: [num_requests, k] drafts as target ids. A
         step's position is the one after the last; its slot and context length follow from it."""
-        logits, prenorm = self._uniform_forward(input_ids, features, positions, query_start_loc, seq_lens,
-                                                block_tables, slot_mapping, self.catch_up_len)
-        logits, prenorm, position = logits[last_rows], prenorm[last_rows], positions[last_rows]
+        del query_start_loc, seq_lens  # as in _catch_up_forward
+        logits, prenorm, position = self._last_rows_of_catch_up(input_ids, features, positions, block_tables,
+                                                                slot_mapping, last_rows)
         one_token_each = torch.arange(last_rows.shape[0] + 1, device=last_rows.device)
         drafts = [self.draft.to_target_ids(logits.argmax(dim=-1))]
         for _ in range(self.catch_up_len - 2):
@@ -249,7 +270,7 @@ class Eagle3Proposer:
             full_tables = widen_block_tables(torch.tensor([table] * num_requests, dtype=torch.int32)).to(self.device)
             for graph, compiled, eager, inputs in (
                     ((self.catch_up_len, one), self.compiled_catch_up, self._catch_up_forward,
-                     self._compiled_inputs(catch_up, catch_up_features)),
+                     self._compiled_inputs(catch_up, catch_up_features, last)),
                     ((1, one), self.compiled_decode, self._decode_forward,
                      self._compiled_inputs(decode, decode_features)),
                     ((GREEDY_PROPOSAL, one), self.compiled_greedy_proposal, self._greedy_proposal_forward,

@@ -133,10 +133,20 @@ class Eagle3Draft(nn.Module):
         """token_ids, positions [num_tokens]; features [num_tokens, 3 * target_hidden] (the target's
         aux states) or [num_tokens, hidden] (the draft's own previous output). Returns draft-vocab
         logits [num_tokens, draft_vocab] float32 and the pre-norm output [num_tokens, hidden]."""
-        c = self.config
+        return self.attend(*self.write_kv(token_ids, features, positions, slot_mapping), attn_meta)
+
+    def write_kv(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first half of forward: store every position's KV; returns its queries [num_tokens,
+        heads, head_dim] and residual. A catch-up needs the rest (attend) only at its last position."""
         q, k, v, residual = self.before_attention(token_ids, features, positions)
         write_kv_cache(k, v, self.kv_cache, slot_mapping)
-        attn = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, c.head_dim**-0.5, None)
+        return q, residual
+
+    def attend(self, q: torch.Tensor, residual: torch.Tensor,
+               attn_meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The second half of forward, for the rows of q whose positions attn_meta describes."""
+        attn = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, self.config.head_dim**-0.5, None)
         return self.after_attention(attn.reshape(attn.shape[0], -1), residual)
 
     def before_attention(self, token_ids: torch.Tensor, features: torch.Tensor,
