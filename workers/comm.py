@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from warpspec.kernels import add_rms_norm, batch_invariant, rms_norm
+from warpspec.workers import traced_collectives
 
 BACKENDS = ("local", "gloo", "shm", "nccl")
 
@@ -50,6 +51,8 @@ def collective_failures(backend: str):
 class Communicator:
     # Whether a compiled step can call this backend's collectives (_traced_all_reduce, _traced_gather).
     has_traced_collectives = False
+    # Whether _all_reduce sums into its argument (and returns it) rather than into a new tensor.
+    reduces_in_place = True
 
     def __init__(self, rank: int = 0, world_size: int = 1):
         self.rank = rank
@@ -140,6 +143,7 @@ class GlooCommunicator(Communicator):
         self.dist = dist
         dist.init_process_group("gloo", init_method=f"tcp://{init.master_addr}:{init.master_port}",
                                 rank=init.rank, world_size=init.world_size)
+        self.group_id = traced_collectives.register(self)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(x)
@@ -151,20 +155,13 @@ class GlooCommunicator(Communicator):
         return parts
 
     def _traced_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed import _functional_collectives as functional
-
-        return functional.all_reduce(x.contiguous(), "sum", self.dist.group.WORLD)
+        return traced_collectives.all_reduce(x, self.group_id)
 
     def _traced_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
-        """An all-gather (the traced collectives have no gather); ranks past 0 drop what they got."""
-        from torch.distributed import _functional_collectives as functional
-
-        stacked = functional.all_gather_tensor(x.contiguous(), 0, self.dist.group.WORLD)  # [world * rows, ...]
-        if self.rank != 0:
-            return None
-        return torch.cat(stacked.chunk(self.world_size, dim=0), dim=dim)
+        return traced_collectives.gather(x, self.group_id, dim)
 
     def close(self) -> None:
+        traced_collectives.unregister(self.group_id)
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
 

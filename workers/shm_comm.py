@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import itertools
 import mmap
 import os
 import platform
@@ -68,8 +67,7 @@ def shared_memory_available() -> bool:
 
 
 class SharedMemoryCommunicator(GlooCommunicator):
-    _groups: dict[int, SharedMemoryCommunicator] = {}  # by group_id, for the compiled steps' custom ops
-    _next_group_id = itertools.count()
+    reduces_in_place = False  # it sums the slots into a new tensor
 
     def __init__(self, init: CommInit, slot_bytes: int = SLOT_BYTES):
         if not shared_memory_available():
@@ -83,8 +81,6 @@ class SharedMemoryCommunicator(GlooCommunicator):
         self.fd, self.segment = self._map_segment()
         self._hold_liveness_lock()
         self._build_views()
-        self.group_id = next(self._next_group_id)
-        self._groups[self.group_id] = self
 
     # ---- setup ----------------------------------------------------------------------------------
 
@@ -208,58 +204,9 @@ class SharedMemoryCommunicator(GlooCommunicator):
         if published >= 0:
             self.flags[self.rank] = ~published
 
-    # ---- inside a compiled step -----------------------------------------------------------------
-
-    def _traced_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.warpspec.shm_all_reduce(x, self.group_id)
-
-    def _traced_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
-        gathered = torch.ops.warpspec.shm_gather(x, self.group_id, dim)
-        return gathered if self.rank == 0 else None
-
     def close(self) -> None:
-        self._groups.pop(self.group_id, None)
         self.slots = self.flags = self._views = None
         with contextlib.suppress(BufferError):  # a caller still holds a view of a slot: it goes with that
             self.segment.close()
         os.close(self.fd)
         super().close()
-
-
-# Custom ops, so that a compiled step calls the exchange as one opaque kernel and stays one graph.
-@torch.library.custom_op("warpspec::shm_all_reduce", mutates_args=())
-def _shm_all_reduce(x: torch.Tensor, group_id: int) -> torch.Tensor:
-    return SharedMemoryCommunicator._groups[group_id]._all_reduce(x.contiguous())
-
-
-@_shm_all_reduce.register_fake
-def _(x: torch.Tensor, group_id: int) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("warpspec::shm_gather", mutates_args=())
-def _shm_gather(x: torch.Tensor, group_id: int, dim: int) -> torch.Tensor:
-    """Every rank's x concatenated along dim on rank 0; ranks past 0 get an unfilled tensor of that
-    shape (the op's shape must not depend on the rank) and drop it."""
-    comm = SharedMemoryCommunicator._groups[group_id]
-    parts = comm._gather(x.contiguous())
-    if parts is None:
-        return _gathered_like(x, comm.world_size, dim)
-    return torch.cat(parts, dim=dim)
-
-
-@_shm_gather.register_fake
-def _(x: torch.Tensor, group_id: int, dim: int) -> torch.Tensor:
-    return _gathered_like(x, SharedMemoryCommunicator._groups[group_id].world_size, dim)
-
-
-# A rank past 0 drops the gather's result, and a pure op whose result goes unused is removed from the
-# graph: that rank would skip the exchange and leave rank 0 waiting. Every rank must take part.
-for _op in (torch.ops.warpspec.shm_all_reduce.default, torch.ops.warpspec.shm_gather.default):
-    torch.fx.node.has_side_effect(_op)
-
-
-def _gathered_like(x: torch.Tensor, world_size: int, dim: int) -> torch.Tensor:
-    shape = list(x.shape)
-    shape[dim] *= world_size
-    return x.new_empty(shape)

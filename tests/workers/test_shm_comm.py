@@ -1,5 +1,5 @@
 """Same-host CPU ranks meet in shared memory (workers/shm_comm.py): sums that agree bit for bit on
-every rank, in chunks when a tensor outgrows a slot; gathers; one graph when compiled; a dead peer,
+every rank, in chunks when a tensor outgrows a slot; gathers; a dead peer,
 or one that fails its part of a step, ends the wait with CollectiveError; the segment's name is gone
 once every rank has mapped it."""
 
@@ -12,19 +12,14 @@ import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_processes import rank_partial, run_two_ranks
 
 from warpspec.workers.comm import CollectiveError, CommInit, make_communicator
 from warpspec.workers.shm_comm import shared_memory_available
-from warpspec.workers.worker import address_and_free_port
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs an x86-64 host with /dev/shm")
 
 SLOT_BYTES = 4096  # small, so that a [300, 7] float32 tensor (8,400 B) goes through in 3 chunks
-
-
-def _partial(rank: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(rank)).to(dtype)
 
 
 def _join(port: int, rank: int):
@@ -37,24 +32,11 @@ def _sum_and_gather(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     comm = _join(port, rank)
     segment_names = glob.glob(f"/dev/shm/warpspec-comm-{os.getpid()}-*")
-    sums = {str(dtype): comm.all_reduce(_partial(rank, (300, 7), dtype)) for dtype in (torch.float32, torch.bfloat16)}
-    small = comm.all_reduce(_partial(rank, (1, 5), torch.float32))
+    sums = {str(dtype): comm.all_reduce(rank_partial(rank, (300, 7), dtype))
+            for dtype in (torch.float32, torch.bfloat16)}
+    small = comm.all_reduce(rank_partial(rank, (1, 5), torch.float32))
     gathered = comm.gather(torch.full((2, 3), float(rank)), dim=-1)
     results[rank] = (sums, small, gathered, segment_names, comm.num_collectives)
-    comm.close()
-
-
-def _compiled_step(rank: int, port: int, results) -> None:
-    torch.set_num_threads(1)
-    comm = _join(port, rank)
-
-    def step(x: torch.Tensor):
-        reduced = comm.all_reduce(x * 2)
-        return reduced + 1, comm.gather(reduced[:, :2], dim=-1)
-
-    compiled = torch.compile(step, fullgraph=True)  # a graph break would raise here
-    outputs = [compiled(_partial(rank, (3, 4), torch.float32) + i) for i in range(3)]
-    results[rank] = (outputs, comm.num_collectives)
     comm.close()
 
 
@@ -121,58 +103,29 @@ def _peer_abandons_right_after_publishing(rank: int, port: int, results) -> None
     comm.close()
 
 
-def _run(target, a_rank_exits: bool = False) -> dict:
-    """Each rank's results. A rank that raises fails the test with its traceback; when a rank is
-    meant to exit, the others are waited for one by one (the context would kill them at its exit)."""
-    results = mp.Manager().dict()
-    _, port = address_and_free_port()
-    context = mp.start_processes(target, args=(port, results), nprocs=2, join=False, start_method="spawn")
-    if a_rank_exits:
-        for process in context.processes:
-            process.join(timeout=120)
-    else:
-        while not context.join(timeout=120):
-            pass
-    return dict(results)
-
-
 def test_every_rank_gets_the_same_sum_and_rank_0_the_gather():
-    results = _run(_sum_and_gather)
+    results = run_two_ranks(_sum_and_gather)
     for dtype in (torch.float32, torch.bfloat16):
-        expected = _partial(0, (300, 7), dtype) + _partial(1, (300, 7), dtype)
+        expected = rank_partial(0, (300, 7), dtype) + rank_partial(1, (300, 7), dtype)
         for rank in (0, 1):
             assert torch.equal(results[rank][0][str(dtype)], expected), (rank, dtype)
     for rank in (0, 1):
-        assert torch.equal(results[rank][1], _partial(0, (1, 5), torch.float32) + _partial(1, (1, 5), torch.float32))
+        assert torch.equal(results[rank][1], rank_partial(0, (1, 5)) + rank_partial(1, (1, 5)))
         assert results[rank][3] == []  # rank 0 unlinked the name once both had mapped the segment
         assert results[rank][4] == 4  # every eager collective is counted, chunks or not
     assert torch.equal(results[0][2], torch.tensor([[0.0, 0, 0, 1, 1, 1]] * 2))
     assert results[1][2] is None
 
 
-def test_a_compiled_step_calls_the_exchange_inside_one_graph(monkeypatch, tmp_path):
-    """Rank 1 drops its gather's result; the exchange must stay in its graph all the same, or rank 0
-    would wait for it forever (here: until the dead-peer test ends the wait)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # graphs built here, not a cache's
-    results = _run(_compiled_step)
-    for i in range(3):
-        reduced = 2 * (_partial(0, (3, 4), torch.float32) + i) + 2 * (_partial(1, (3, 4), torch.float32) + i)
-        for rank in (0, 1):
-            assert torch.allclose(results[rank][0][i][0], reduced + 1)
-        assert torch.allclose(results[0][0][i][1], torch.cat([reduced[:, :2]] * 2, dim=-1))
-        assert results[1][0][i][1] is None
-    assert [results[rank][1] for rank in (0, 1)] == [0, 0]  # traced collectives are not counted
-
-
 def test_a_dead_peer_ends_the_wait_with_collective_error():
-    message, waited_s = _run(_peer_dies, a_rank_exits=True)[0]
+    message, waited_s = run_two_ranks(_peer_dies, a_rank_exits=True)[0]
     assert "rank 1 died" in message
     assert waited_s < 5.0  # the liveness test runs every 10 ms of waiting
 
 
 def test_a_peer_that_fails_its_part_of_a_step_ends_the_wait_at_once():
     """Without abandonment rank 0 would wait out TIMEOUT_S (30 min) for a live rank 1 that raised."""
-    results = _run(_peer_fails)
+    results = run_two_ranks(_peer_fails)
     outcomes, waited_s, abandoned = results[0]
     assert outcomes[0] == "CollectiveError: shm collective failed: rank 1 failed its part of the step (collective 2)"
     assert outcomes[1].startswith("CollectiveError: shm collective refused: rank 0 abandoned its group")
@@ -183,7 +136,7 @@ def test_a_peer_that_fails_its_part_of_a_step_ends_the_wait_at_once():
 def test_a_peer_that_abandons_right_after_publishing_still_counts_as_arrived():
     """Found by CI: rank 1 had published and abandoned before rank 0 looked, and rank 0 failed a
     collective whose data was all there."""
-    first, second = _run(_peer_abandons_right_after_publishing)[0]
+    first, second = run_two_ranks(_peer_abandons_right_after_publishing)[0]
     assert torch.equal(first, torch.full((4,), 3.0))
     assert second == "shm collective failed: rank 1 failed its part of the step (collective 2)"
 

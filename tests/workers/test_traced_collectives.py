@@ -1,0 +1,54 @@
+"""A compiled step meets its peers inside its graph (workers/traced_collectives.py), over gloo and
+over shared memory alike, built by the compiler and inductor options the engine's compiled steps use
+(compiled_step.CountingCompiler: the C++ wrapper included, which could not call torch's functional
+collectives on the CPU)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from rank_processes import rank_partial, run_two_ranks
+
+from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.compiled_step import CountingCompiler
+from warpspec.workers.shm_comm import shared_memory_available
+
+BACKENDS = ["gloo", pytest.param("shm", marks=pytest.mark.skipif(not shared_memory_available(),
+                                                                  reason="needs an x86-64 host with /dev/shm"))]
+
+
+def _compiled_step(rank: int, port: int, results, backend: str, cache_dir: str) -> None:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # graphs built here, not a cache's
+    torch.set_num_threads(1)
+    comm = make_communicator(CommInit(backend, rank, 2, "127.0.0.1", port))
+
+    def step(x: torch.Tensor):
+        reduced = comm.all_reduce(x * 2)
+        return reduced + 1, comm.gather(reduced[:, :2], dim=-1)
+
+    compiled = CountingCompiler(step)
+    outputs = [compiled(rank_partial(rank, (3, 4)) + i) for i in range(3)]
+    results[rank] = (outputs, comm.num_collectives, compiled.num_compiles)
+    comm.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compiled_step_calls_the_exchange_inside_one_graph(backend, tmp_path):
+    """Every rank sums, rank 0 gathers, both in one graph: one compile serves three calls. Rank 1
+    drops its gather's result; the exchange must stay in its graph all the same, or rank 0 would wait
+    for it forever."""
+    results = run_two_ranks(functools.partial(_compiled_step, backend=backend, cache_dir=str(tmp_path)))
+    for i in range(3):
+        # 2 * (a + i) + 2 * (b + i), then + 1
+        reduced = 2 * (rank_partial(0, (3, 4)) + i) + 2 * (rank_partial(1, (3, 4)) + i)
+        for rank in (0, 1):
+            assert torch.allclose(results[rank][0][i][0], reduced + 1)
+        assert torch.allclose(results[0][0][i][1], torch.cat([reduced[:, :2]] * 2, dim=-1))
+        assert results[1][0][i][1] is None
+    for rank in (0, 1):
+        assert results[rank][1] == 0  # traced collectives are not counted
+        assert results[rank][2] == 1  # one graph, no break at a collective, no recompile
+
