@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,8 +126,34 @@ def test_moe_rows_match_alone(dtype):
 triton = pytest.importorskip("triton")
 
 
+class _RowByRowMatmul:
+    """numpy, except that a 2-D matmul computes each row on its own."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def matmul(a, b, **kwargs):
+        if a.ndim != 2:
+            return np.matmul(a, b, **kwargs)
+        return np.concatenate([np.matmul(a[i : i + 1], b, **kwargs) for i in range(a.shape[0])])
+
+
+@pytest.fixture
+def row_invariant_tile_dot(monkeypatch):
+    """The interpreter computes a tile's tl.dot with numpy's matmul. Whether a row's sum depends on
+    the row's place in the tile is then up to the host's BLAS kernel: OpenBLAS's Haswell kernel
+    (OPENBLAS_CORETYPE=Haswell, set on this project's AMD hosts) sums the rows of a tile's edge
+    differently, which a GPU's tile MMA does not. Row by row, the dot is the same wherever a row sits,
+    and the tests below check what the kernels decide: which rows share a tile, and the order K is
+    walked in."""
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(interpreter, "np", _RowByRowMatmul())
+
+
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_triton_linear_rows_match_alone(dtype):
+def test_triton_linear_rows_match_alone(dtype, row_invariant_tile_dot):
     from warpspec.kernels.triton.matmul import batch_invariant_linear
 
     gen = torch.Generator().manual_seed(3)
@@ -139,7 +166,7 @@ def test_triton_linear_rows_match_alone(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_attention_rows_match_a_lone_decode(dtype):
+def test_triton_attention_rows_match_a_lone_decode(dtype, row_invariant_tile_dot):
     """With the mode on, the kernel never splits a context: beside a 600-token sequence the lone
     decode would otherwise be split in two (choose_num_splits). In float32 output, where no rounding
     hides it, the split changes the decode's bits."""
@@ -152,7 +179,7 @@ def test_triton_attention_rows_match_a_lone_decode(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_moe_rows_match_alone(dtype):
+def test_triton_moe_rows_match_alone(dtype, row_invariant_tile_dot):
     """The grouped expert GEMM has fixed tiles of BLOCK_M rows of one expert and never splits K: a
     token's rows are computed the same in whichever tile, and beside whichever tokens, they land."""
     from warpspec.kernels.triton.moe import moe_experts_triton, route_topk_sigmoid_triton
