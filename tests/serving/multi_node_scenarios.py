@@ -176,8 +176,10 @@ def node_loss(cluster, nodes, checkpoint: str) -> dict:
     as many as before."""
     from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 
-    # max_ongoing_requests 5: each replica takes exactly 5 of the 10 streams.
-    port = serve_app(checkpoint, min_replicas=2, max_replicas=2, max_ongoing_requests=5)
+    # max_ongoing_requests 5: each replica takes exactly 5 of the 10 streams. Deterministic: 1,000
+    # greedy tokens amid 4 others must equal those alone, and float32 GEMMs round by batch size on
+    # some hosts (an AMD EPYC one: the first difference at token 446 of this checkpoint).
+    port = serve_app(checkpoint, min_replicas=2, max_replicas=2, max_ongoing_requests=5, deterministic=True)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.GenerationStub(channel)
         new_tokens = 1000
