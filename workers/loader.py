@@ -19,7 +19,7 @@ from warpspec.kernels.fp8 import FP8_DTYPE
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import CheckpointTensor
-from warpspec.workers.llama4 import Llama4ForCausalLM, checkpoint_names, map_checkpoint_name
+from warpspec.workers.llama4 import Llama4Experts, Llama4ForCausalLM, checkpoint_names, map_checkpoint_name
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.quantization import apply_quantization, resolve_quantization
 
@@ -121,6 +121,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         missing = sorted(prefix + hf_name for hf_name, _ in pending)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
+    if torch.device(device).type == "cpu":
+        for module in model.modules():
+            if isinstance(module, Llama4Experts):
+                module.store_inputs_contiguous()
     model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()),
                                    fp8_modules)
     return model.eval()

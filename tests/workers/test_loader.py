@@ -139,6 +139,21 @@ def test_auto_dtype_takes_the_checkpoints(checkpoint):
     assert load_model(checkpoint, "auto").model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+def test_cpu_experts_hold_the_checkpoints_values_with_the_input_dimension_contiguous(checkpoint):
+    """Llama4Experts.store_inputs_contiguous: [E, H, 2I] as before, laid out as [E, 2I, H] in memory."""
+    model = load_model(checkpoint, "float32")
+    stored = load_file(checkpoint / "model.safetensors")
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.feed_forward, "experts")]
+    assert moe_layers
+    for i in moe_layers:
+        experts = model.model.layers[i].feed_forward.experts
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)
+            expected = stored[f"model.layers.{i}.feed_forward.experts.{name}"].float()
+            assert param.shape == expected.shape and param.stride(1) == 1, (i, name, param.stride())
+            assert torch.equal(param, expected)
+
+
 def test_generation_config_eos_overrides_config(checkpoint):
     (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert ModelConfig.from_pretrained(checkpoint).eos_token_ids == [2, 7]
