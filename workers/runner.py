@@ -91,7 +91,8 @@ class ModelRunner:
         if isinstance(self.graph_runner, CompiledStepRunner):
             for step in self.graph_runner.warm_up_steps(aux_layer_ids):
                 with torch.inference_mode():
-                    count, _ = fastest_thread_count(lambda step=step: self._eager_forward(step))
+                    sample = self.graph_runner.thread_sample(step)
+                    count, _ = fastest_thread_count(lambda sample=sample: self._eager_forward(sample))
                 self.graph_runner.set_threads(step, count)
                 self.execute(step)
             self.graph_runner.compiled.seal()

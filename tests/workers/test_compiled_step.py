@@ -14,7 +14,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.workers.compiled_step import CompiledStepRunner, use_compile_cache
+from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CompiledStepRunner, use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
@@ -211,3 +211,19 @@ def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(t
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     use_compile_cache(tmp_path / "c")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_the_thread_count_of_the_graph_for_several_sequences_is_timed_on_a_larger_batch():
+    """One sequence times its own step; the graph of two or more serves batches up to the largest, so
+    its count is timed on THREAD_SAMPLE_SEQS sequences, or the largest batch when that is smaller."""
+    for batch_sizes, expected in (((1, 2, 4), 4), ((1, 2, 32), THREAD_SAMPLE_SEQS)):
+        shapes = CudaGraphConfig(batch_sizes=batch_sizes, query_lens=(1, 4), max_model_len=64)
+        runner = CompiledStepRunner(None, shapes, BLOCK)
+        for step in runner.warm_up_steps([1, 2]):
+            sample = runner.thread_sample(step)
+            if step.seq_lens.shape[0] == 1:
+                assert sample is step
+                continue
+            assert sample.seq_lens.shape[0] == expected
+            assert sample.max_query_len == step.max_query_len and sample.aux_layer_ids == [1, 2]
+            assert sample.num_tokens == expected * step.max_query_len
