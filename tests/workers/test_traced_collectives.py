@@ -51,4 +51,3 @@ def test_a_compiled_step_calls_the_exchange_inside_one_graph(backend, tmp_path):
     for rank in (0, 1):
         assert results[rank][1] == 0  # traced collectives are not counted
         assert results[rank][2] == 1  # one graph, no break at a collective, no recompile
-
