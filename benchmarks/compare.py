@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.llm import LLM
@@ -166,20 +167,24 @@ def main(argv: list[str] | None = None) -> int:
         from warpspec.ray_env import connect_ray
 
         connect_ray(args.run_dir, num_cpus=ray_cpus)
+    engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(
+        step_modes(layout[1]), (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)))]
     with contextlib.ExitStack() as stack:
-        for workers, num_workers, executor, comm_backend in layouts:
-            modes = step_modes(num_workers)
-            for (mode, enforce_eager), (name, draft) in itertools.product(
-                    modes, (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft))):
-                llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
-                                              executor=executor, comm_backend=comm_backend,
-                                              enable_prefix_caching=False,
-                                              enforce_eager=enforce_eager, run_dir=args.run_dir))
-                systems.append({"system": name.replace("warpspec", "warpspec" + mode), "workers": workers,
-                                "llm": llm, "run": warpspec_runner(llm, args.new_tokens)})
+        # Each engine compiles its steps as it starts (cached under --run-dir): minutes, cold.
+        for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft) in tqdm(
+                engines, desc="start engines", unit="engine"):
+            llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
+                                          executor=executor, comm_backend=comm_backend,
+                                          enable_prefix_caching=False,
+                                          enforce_eager=enforce_eager, run_dir=args.run_dir))
+            systems.append({"system": name.replace("warpspec", "warpspec" + mode), "workers": workers,
+                            "llm": llm, "run": warpspec_runner(llm, args.new_tokens)})
         for s in systems:  # warm up (and compile the drafts) outside the measurement
             s["run"](prompts[:1])
         results = {s["system"] + str(s["workers"]): {} for s in systems}
+        num_runs = sum((args.batch1_prompts if batch == 1 else 1) * args.repeats
+                       * sum(batch in s.get("batches", batches) for s in systems) for batch in batches)
+        progress = tqdm(total=num_runs, desc="timed generations", unit="run")
         for batch in batches:
             # Batch 1: each prompt alone, median over them; a larger batch: the first prompts at once.
             prompt_sets = [[p] for p in prompts[: args.batch1_prompts]] if batch == 1 else [prompts[:batch]]
@@ -196,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         key = s["system"] + str(s["workers"])
                         wall, out = timed(s["run"], batch_prompts)
+                        progress.update()
                         walls[key].append(wall)
                         if len(walls[key]) == 1:
                             tokens[key] += out
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "per_prompt": rates[key],
                                        "acceptance_length": spec.acceptance_length if spec else None,
                                        "draft_share": spec.draft_share if spec else None}
+        progress.close()
         threads = thread_choices(systems)  # while the engines are up
     rows = []
     for s in systems:

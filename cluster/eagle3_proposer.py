@@ -33,13 +33,20 @@ host, so they keep one graph per step.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import exponential_noise, greedy_tokens
-from warpspec.workers.compiled_step import MIN_BLOCKS, CountingCompiler, mark_step_dynamic, widen_block_tables
+from warpspec.workers.compiled_step import (
+    MIN_BLOCKS,
+    THREAD_SAMPLE_SEQS,
+    CountingCompiler,
+    mark_step_dynamic,
+    widen_block_tables,
+)
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, padded_block_tables
@@ -250,38 +257,50 @@ class Eagle3Proposer:
         """Build the compiled graphs before the first request needs them: the padded catch-up, the
         decode step and the greedy proposal, each for one request and for two, with the thread count
         that runs it fastest eagerly (chosen first: a graph guards on the count it was built with);
-        then the dense halves a prompt's catch-up runs. The steps write into the first blocks, which
-        no request holds yet. Then the step graphs check only the guards that tell them apart
-        (CountingCompiler.seal)."""
+        then the dense halves a prompt's catch-up runs. A graph for two or more requests serves every
+        batch, so its count is timed on THREAD_SAMPLE_SEQS requests, as the target's is
+        (workers/compiled_step.py). The steps write into the first blocks, which no request holds
+        yet. Then the step graphs check only the guards that tell them apart (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
-        target_width = 3 * self.draft.config.target_hidden_size
-        table = list(range(-(-2 * self.catch_up_len // self.block_size)))
-        for num_requests in (1, 2):
-            one = num_requests == 1
-            catch_up = StepInput.build([SequenceStep([0] * self.catch_up_len, 0, table, 0)] * num_requests,
-                                       self.block_size).to(self.device)
-            decode = StepInput.build([SequenceStep([0], 0, table, 0)] * num_requests, self.block_size).to(self.device)
-            catch_up_features = torch.zeros(catch_up.num_tokens, target_width, dtype=self.draft.fc.dtype,
-                                            device=self.device)
-            decode_features = torch.zeros(num_requests, self.draft.config.hidden_size, dtype=self.draft.fc.dtype,
-                                          device=self.device)
-            last = torch.arange(1, num_requests + 1, device=self.device) * self.catch_up_len - 1
-            full_tables = widen_block_tables(torch.tensor([table] * num_requests, dtype=torch.int32)).to(self.device)
-            for graph, compiled, eager, inputs in (
-                    ((self.catch_up_len, one), self.compiled_catch_up, self._catch_up_forward,
-                     self._compiled_inputs(catch_up, catch_up_features, last)),
-                    ((1, one), self.compiled_decode, self._decode_forward,
-                     self._compiled_inputs(decode, decode_features)),
-                    ((GREEDY_PROPOSAL, one), self.compiled_greedy_proposal, self._greedy_proposal_forward,
-                     self._greedy_proposal_inputs(catch_up, catch_up_features, full_tables, last))):
-                self.thread_counts[graph], _ = fastest_thread_count(lambda inputs=inputs, eager=eager: eager(*inputs))
+        for one in (True, False):
+            graphs = self._warm_up_graphs(1 if one else 2)
+            samples = graphs if one else self._warm_up_graphs(THREAD_SAMPLE_SEQS)
+            for (graph, compiled, eager, inputs), (*_, sample) in zip(graphs, samples, strict=True):
+                self.thread_counts[graph], _ = fastest_thread_count(lambda sample=sample, eager=eager: eager(*sample))
                 self._run_compiled(compiled, inputs, graph)
-        prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, table, 2 * self.catch_up_len - 1)]
+        target_width = 3 * self.draft.config.target_hidden_size
+        prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, self._warm_up_table(), 2 * self.catch_up_len - 1)]
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
                                       device=self.device))
         for compiler in (self.catch_up_compiler, self.decode_compiler, self.greedy_proposal_compiler):
             compiler.seal()
+
+    def _warm_up_table(self) -> list[int]:
+        """The first blocks, enough for a prompt of two catch-ups: every warm-up request's table."""
+        return list(range(-(-2 * self.catch_up_len // self.block_size)))
+
+    def _warm_up_graphs(self, num_requests: int) -> list[tuple[tuple[int | str, bool], CompiledWithFallback,
+                                                                Callable[..., object], tuple[torch.Tensor, ...]]]:
+        """For each step graph, (its key in thread_counts, its compiled and its eager function, the
+        arguments of a step of num_requests requests). The requests share one table: their KV lands
+        in the same scratch slots."""
+        one = num_requests == 1
+        table = self._warm_up_table()
+        catch_up = StepInput.build([SequenceStep([0] * self.catch_up_len, 0, table, 0)] * num_requests,
+                                   self.block_size).to(self.device)
+        decode = StepInput.build([SequenceStep([0], 0, table, 0)] * num_requests, self.block_size).to(self.device)
+        catch_up_features = torch.zeros(catch_up.num_tokens, 3 * self.draft.config.target_hidden_size,
+                                        dtype=self.draft.fc.dtype, device=self.device)
+        decode_features = torch.zeros(num_requests, self.draft.config.hidden_size, dtype=self.draft.fc.dtype,
+                                      device=self.device)
+        last = torch.arange(1, num_requests + 1, device=self.device) * self.catch_up_len - 1
+        full_tables = widen_block_tables(torch.tensor([table] * num_requests, dtype=torch.int32)).to(self.device)
+        return [((self.catch_up_len, one), self.compiled_catch_up, self._catch_up_forward,
+                 self._compiled_inputs(catch_up, catch_up_features, last)),
+                ((1, one), self.compiled_decode, self._decode_forward, self._compiled_inputs(decode, decode_features)),
+                ((GREEDY_PROPOSAL, one), self.compiled_greedy_proposal, self._greedy_proposal_forward,
+                 self._greedy_proposal_inputs(catch_up, catch_up_features, full_tables, last))]
 
     def _choose(self, logits: torch.Tensor, requests: list[DraftRequest],
                 step: int) -> tuple[list[int], torch.Tensor | None]:

@@ -12,7 +12,8 @@ from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec.eagle3_proposer import GREEDY_PROPOSAL, Eagle3Proposer
 from warpspec.keyed_random import KeyedRandom
 from warpspec.proposer import DraftRequest
-from warpspec.workers.eagle3 import load_eagle3
+from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS
+from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
 from warpspec.workers.model_config import ModelConfig
 
@@ -88,3 +89,42 @@ def test_the_compiled_catch_up_and_draft_steps_propose_the_eager_drafts(proposer
     assert sum(c.num_compiles for c in compilers) == compiles
     graphs = (K + 1, 1, GREEDY_PROPOSAL)
     assert set(compiled.thread_counts) == {(graph, one) for graph in graphs for one in (True, False)}
+
+
+def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larger_batch(tmp_path, monkeypatch):
+    """One request's graphs time their own step; each graph of two or more serves every batch, so its
+    thread count is timed on THREAD_SAMPLE_SEQS requests (as the target's is)."""
+    target = make_speculation_target(tmp_path / "target")
+    config = ModelConfig.from_pretrained(target)
+    embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
+    draft = load_eagle3(make_speculation_draft(tmp_path / "draft"), config, embed, torch.float32)
+    proposer = Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, num_speculative_tokens=K)
+    timed_rows = []
+
+    def first_rows_of(run):
+        """Run the timed step once eagerly; the rows of its first draft forward (the catch-up's
+        k + 1 per request, or the decode step's 1), instead of timing it."""
+        rows = []
+
+        def recording(token_ids, features, positions):
+            rows.append(token_ids.shape[0])
+            return Eagle3Draft.before_attention(draft, token_ids, features, positions)
+
+        compiled_half, draft.before_attention = draft.before_attention, recording
+        try:
+            run()
+        finally:
+            draft.before_attention = compiled_half
+        timed_rows.append(rows[0])
+        return 2, {}
+
+    monkeypatch.setattr("warpspec.eagle3_proposer.fastest_thread_count", first_rows_of)
+    # Timing is the subject, not building: the compiled steps are not run.
+    monkeypatch.setattr(Eagle3Proposer, "_run_compiled", lambda self, compiled, inputs, graph: None)
+    monkeypatch.setattr(Eagle3Proposer, "_run", lambda self, plan, features: None)
+    proposer.warm_up()
+    n = THREAD_SAMPLE_SEQS
+    # catch-up, decode step, greedy proposal: one request, then THREAD_SAMPLE_SEQS.
+    assert timed_rows == [K + 1, 1, K + 1, n * (K + 1), n, n * (K + 1)]
+    graphs = (K + 1, 1, GREEDY_PROPOSAL)
+    assert proposer.thread_counts == {(graph, one): 2 for graph in graphs for one in (True, False)}
