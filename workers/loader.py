@@ -121,10 +121,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         missing = sorted(prefix + hf_name for hf_name, _ in pending)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
-    if torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu":  # GPU kernels read the checkpoint's layouts
         for module in model.modules():
             if isinstance(module, Llama4Experts):
                 module.store_inputs_contiguous()
+        model.store_head_columns_contiguous()
     model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()),
                                    fp8_modules)
     return model.eval()

@@ -154,6 +154,24 @@ def test_cpu_experts_hold_the_checkpoints_values_with_the_input_dimension_contig
             assert torch.equal(param, expected)
 
 
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_the_cpu_logits_head_reads_the_checkpoints_values_with_the_vocabulary_contiguous(tmp_path, tie_word_embeddings):
+    """Llama4ForCausalLM.store_head_columns_contiguous: the head is [vocab, hidden] laid out as
+    [hidden, vocab]; a tied head reads a copy, and the embedding table keeps its rows contiguous."""
+    path = create_random_checkpoint(tmp_path / "ckpt", "tiny", tie_word_embeddings=tie_word_embeddings)
+    model = load_model(path, "float32")
+    stored = load_file(path / "model.safetensors")
+    table = stored["model.embed_tokens.weight"].float()
+    head = table if tie_word_embeddings else stored["lm_head.weight"].float()
+    weight = model.head_columns if tie_word_embeddings else model.lm_head.weight
+    assert (model.head_columns is None) != tie_word_embeddings
+    assert weight.shape == head.shape and weight.stride(0) == 1, weight.stride()
+    assert torch.equal(weight, head)
+    assert model.model.embed_tokens.weight.stride(1) == 1 and torch.equal(model.model.embed_tokens.weight, table)
+    hidden = torch.randn(4, head.shape[1], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ head.T)
+
+
 def test_generation_config_eos_overrides_config(checkpoint):
     (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert ModelConfig.from_pretrained(checkpoint).eos_token_ids == [2, 7]
