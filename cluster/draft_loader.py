@@ -33,7 +33,7 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
         use_compile_cache(config.run_dir)
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
                           compile=compile_draft, deterministic=config.deterministic,
-                          num_speculative_tokens=spec.num_speculative_tokens)
+                          num_speculative_tokens=spec.num_speculative_tokens, cuda_graphs=config.cuda_graph_config())
 
 
 def draft_device(target_device: str) -> torch.device:

@@ -27,7 +27,8 @@ padded catch-up, the k - 1 steps after it and the argmax between them are one co
 draft step costs a few hundred microseconds here, and each separate graph call adds its guards, its
 thread switch and the Python that builds its inputs. Each step's position, slot and context length
 follow from the catch-up's inside the graph. Sampled drafts draw from per-request generators on the
-host, so they keep one graph per step.
+host, so they keep one graph per step. On a GPU that greedy proposal replays a CUDA graph instead
+(cluster/draft_cuda_graphs.py); everything else runs as it did, the dense halves compiled.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from warpspec.draft_cuda_graphs import DraftGraphRunner
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.proposer import DraftRequest, Drafts
 from warpspec.sampler import exponential_noise, greedy_tokens
@@ -48,6 +50,7 @@ from warpspec.workers.compiled_step import (
     widen_block_tables,
 )
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
+from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, padded_block_tables
 
@@ -77,10 +80,13 @@ class CompiledWithFallback:
 
 class Eagle3Proposer:
     def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
-                 compile: bool = True, deterministic: bool = False, num_speculative_tokens: int = 3):
+                 compile: bool = True, deterministic: bool = False, num_speculative_tokens: int = 3,
+                 cuda_graphs: CudaGraphConfig | None = None):
         """deterministic: draft in kernels/batch_invariant.py's mode, eagerly (the mode's float64
         weight copies are made on first use, a side effect torch.compile would not keep).
-        num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1."""
+        num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1.
+        cuda_graphs: on a CUDA device (compiled, not deterministic), replay greedy proposals of these
+        batch sizes and lengths as CUDA graphs (cluster/draft_cuda_graphs.py)."""
         c = draft.config
         self.deterministic = deterministic
         self.device = torch.device(device)
@@ -102,6 +108,10 @@ class Eagle3Proposer:
         self.compiled_catch_up: CompiledWithFallback | None = None
         self.greedy_proposal_compiler: CountingCompiler | None = None
         self.compiled_greedy_proposal: CompiledWithFallback | None = None
+        self.draft_graphs: DraftGraphRunner | None = None
+        if cuda_graphs is not None and compile and not deterministic and self.device.type == "cuda":
+            self.draft_graphs = DraftGraphRunner(self._greedy_proposal_forward, cuda_graphs.batch_sizes,
+                                                 -(-cuda_graphs.max_model_len // block_size), block_size)
         # (graph, one request) -> the thread count it runs with (workers/cpu_threads.py); the graph is
         # the query length of a step graph, or GREEDY_PROPOSAL.
         self.thread_counts: dict[tuple[int | str, bool], int] = {}
@@ -158,13 +168,30 @@ class Eagle3Proposer:
         return logits[wants_drafts], prenorm[wants_drafts]
 
     def _run_greedy_proposal(self, requests: list[DraftRequest], features: torch.Tensor,
-                             tables: list[list[int]]) -> list[list[int]]:
-        """Every request's k greedy drafts (target ids) from one compiled graph (module docstring)."""
+                             tables: list[list[int]], spare_block: int) -> list[list[int]]:
+        """Every request's k greedy drafts (target ids) from one compiled graph (module docstring), or
+        on a GPU one CUDA graph; spare_block: a block no table holds, a CUDA graph's pad block."""
+        inputs = self._greedy_proposal_args(requests, features, tables)
+        if self.draft_graphs is not None:
+            try:
+                drafts = self.draft_graphs.run(inputs, spare_block, self.draft.kv_cache)
+            except Exception as error:  # noqa: BLE001 - a capture that fails: run without graphs from now on
+                warnings.warn(f"CUDA graphs of the EAGLE-3 draft failed ({type(error).__name__}: {error}); "
+                              "proposing without them", stacklevel=2)
+                self.draft_graphs, drafts = None, None
+            if drafts is not None:
+                return drafts.tolist()
+        if self.compiled_greedy_proposal is None:  # a GPU proposal the graphs do not take
+            return self._greedy_proposal_forward(*inputs).tolist()
+        return self._run_compiled(self.compiled_greedy_proposal, inputs, (GREEDY_PROPOSAL, len(requests) == 1)).tolist()
+
+    def _greedy_proposal_args(self, requests: list[DraftRequest], features: torch.Tensor,
+                              tables: list[list[int]]) -> tuple[torch.Tensor, ...]:
+        """The arguments of _greedy_proposal_forward for requests (their tables with scratch)."""
         step, features, last = self._padded_catch_up(requests, features, tables)
         # The whole tables, not the catch-up's: the steps after it write up to k - 1 positions further.
         full_tables = padded_block_tables(tables, max(MIN_BLOCKS, max(map(len, tables))))
-        inputs = self._greedy_proposal_inputs(step, features, full_tables.to(self.device), last)
-        return self._run_compiled(self.compiled_greedy_proposal, inputs, (GREEDY_PROPOSAL, len(requests) == 1)).tolist()
+        return self._greedy_proposal_inputs(step, features, full_tables.to(self.device), last)
 
     def _run_compiled(self, compiled: CompiledWithFallback, inputs: tuple[torch.Tensor, ...],
                       graph: tuple[int | str, bool]):
@@ -329,10 +356,11 @@ class Eagle3Proposer:
             probs.index_copy_(1, target_ids, draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
-    def _with_scratch(self, requests: list[DraftRequest], padded: bool) -> list[list[int]]:
+    def _with_scratch(self, requests: list[DraftRequest], padded: bool) -> tuple[list[list[int]], int]:
         """Each request's block table, extended with scratch blocks up to the last position its draft
         steps write: first_position + num_positions + num_drafts - 2, or the padded catch-up's last,
-        first_position + catch_up_len - 1, when that is further."""
+        first_position + catch_up_len - 1, when that is further; and the first block after them, which
+        no table holds (in the cache when CUDA graphs need it as their pad block)."""
         tables, next_scratch = [], self.num_blocks
         for r in requests:
             last = r.first_position + max(r.num_positions + r.num_drafts - 1, self.catch_up_len if padded else 0) - 1
@@ -340,14 +368,15 @@ class Eagle3Proposer:
             tables.append(r.block_table + list(range(next_scratch, next_scratch + extra)))
             next_scratch += extra
         cache = self.draft.kv_cache
-        if next_scratch > cache.shape[1]:  # grows to the largest batch of drafts seen, then stays
+        num_needed = next_scratch + (self.draft_graphs is not None)
+        if num_needed > cache.shape[1]:  # grows to the largest batch of drafts seen, then stays
             # Outside inference mode, like the first cache: the compiled steps guard on the kind of tensor.
             with torch.inference_mode(False):
-                grown = cache.new_zeros(cache.shape[0], next_scratch, *cache.shape[2:])
+                grown = cache.new_zeros(cache.shape[0], num_needed, *cache.shape[2:])
                 grown[:, : cache.shape[1]] = cache
             torch._dynamo.mark_dynamic(grown, 1)
             self.draft.kv_cache = grown
-        return tables
+        return tables, next_scratch
 
     def release(self, request_ids: list[str]) -> None:
         pass  # no per-request state: the draft's KV lives in the request's own blocks
@@ -362,11 +391,13 @@ class Eagle3Proposer:
 
     def _propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:
         features = torch.cat(aux_hidden, dim=-1).to(self.device, self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
-        padded = (self.compiled_catch_up is not None
-                  and all(r.num_positions <= self.catch_up_len for r in requests))
-        tables = self._with_scratch(requests, padded)
-        if padded and all(r.temperature == 0 and r.num_drafts == self.catch_up_len - 1 for r in requests):
-            return [Drafts(tokens) for tokens in self._run_greedy_proposal(requests, features, tables)]
+        fits = all(r.num_positions <= self.catch_up_len for r in requests)
+        greedy = all(r.temperature == 0 and r.num_drafts == self.catch_up_len - 1 for r in requests)
+        # The padded catch-up: compiled on a CPU; on a GPU only inside a greedy proposal's CUDA graph.
+        padded = fits and (self.compiled_catch_up is not None or (self.draft_graphs is not None and greedy))
+        tables, spare_block = self._with_scratch(requests, padded)
+        if padded and greedy:
+            return [Drafts(tokens) for tokens in self._run_greedy_proposal(requests, features, tables, spare_block)]
         if padded:
             logits, prenorm = self._run_padded_catch_up(requests, features, tables)
         else:
