@@ -56,8 +56,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "run every step eagerly: no CUDA graphs, no compiled CPU steps, no compiled draft "
                  "(WARPSPEC_ENFORCE_EAGER=1 makes it the default)"),
     EngineOption("cuda_graph_batch_sizes", "cuda_graph_batch_sizes", tuple, CudaGraphConfig.batch_sizes,
-                 "batch sizes captured as CUDA graphs; on a CPU, compiled steps cover batches up to the "
-                 "largest (larger batches run eagerly)"),
+                 "batch sizes captured as CUDA graphs (the target's steps, the draft's greedy proposal); on a "
+                 "CPU, compiled steps cover batches up to the largest (larger batches run eagerly)"),
     EngineOption("seed", "seed", int, 0, "seeds the requests that bring no seed of their own"),
     EngineOption("run_dir", "run_dir", str, "runs", "a local Ray cluster's session files and compile caches"),
     # KV cache.
