@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from warpspec.workers.cuda_graphs import capture
+
 # The arguments of Eagle3Proposer._greedy_proposal_forward, in order: input_ids, features, positions,
 # query_start_loc, seq_lens, block_tables, slot_mapping, last_rows.
 ProposalInputs = tuple[torch.Tensor, ...]
@@ -67,15 +69,7 @@ class CapturedProposal:
 
     def __init__(self, proposal: Callable[..., torch.Tensor], inputs: ProposalInputs, pool):
         self.inputs = tuple(t.clone() for t in inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: torch.compile and Triton build outside the capture
-            for _ in range(2):
-                proposal(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.drafts = proposal(*self.inputs)
+        self.graph, self.drafts = capture(lambda: proposal(*self.inputs), pool)
 
     def replay(self, inputs: ProposalInputs) -> torch.Tensor:
         for static, new in zip(self.inputs, inputs, strict=True):

@@ -14,11 +14,15 @@ seen, and all share one memory pool.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from warpspec.workers.step import StepInput
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,20 +76,27 @@ def pad_step(step: StepInput, batch_size: int, pad_block: int, max_blocks: int, 
     )
 
 
+def capture(run: Callable[[], T], pool) -> tuple[torch.cuda.CUDAGraph, T]:
+    """run() captured as a CUDA graph in pool, and the outputs its replays write. run reads only
+    tensors that stay in place (the caller copies each replay's inputs into them)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: Triton compiles and autotunes outside the capture
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = run()
+    return graph, outputs
+
+
 class CapturedStep:
     """One graph with the input tensors it reads and the outputs it writes."""
 
     def __init__(self, model, inputs: StepInput, pool):
         self.inputs = inputs
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: Triton compiles and autotunes outside the capture
-            for _ in range(2):
-                self._forward(model)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.logits, self.aux = self._forward(model)
+        self.graph, (self.logits, self.aux) = capture(lambda: self._forward(model), pool)
 
     def _forward(self, model):
         hidden, aux = model(self.inputs.input_ids, self.inputs.positions, self.inputs,
