@@ -34,7 +34,7 @@ host, so they keep one graph per step. On a GPU that greedy proposal replays a C
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -67,10 +67,11 @@ class CompiledWithFallback:
         self.compiled = compiled or torch.compile(fn, dynamic=True)
         self.failed = False
 
-    def __call__(self, *args: torch.Tensor):
+    def __call__(self, *args: torch.Tensor, graph: Hashable | None = None):
+        """graph: the key of the step's graph, for a CountingCompiler (its direct calls)."""
         if not self.failed:
             try:
-                return self.compiled(*args)
+                return self.compiled(*args) if graph is None else self.compiled(*args, graph=graph)
             except Exception as error:  # noqa: BLE001 - any compiler failure means: run eagerly
                 warnings.warn(f"torch.compile of {self.name} failed ({type(error).__name__}: {error}); "
                               "running it eagerly", stacklevel=2)
@@ -196,7 +197,7 @@ class Eagle3Proposer:
     def _run_compiled(self, compiled: CompiledWithFallback, inputs: tuple[torch.Tensor, ...],
                       graph: tuple[int | str, bool]):
         with torch_threads(self.thread_counts.get(graph, torch.get_num_threads())):
-            return compiled(*inputs)
+            return compiled(*inputs, graph=graph)
 
     @staticmethod
     def _compiled_inputs(step: StepInput, features: torch.Tensor,

@@ -14,7 +14,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CompiledStepRunner, use_compile_cache
+from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CompiledStepRunner, CountingCompiler, use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
@@ -116,6 +116,11 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
                 # graph built after start-up.
                 assert graph_runner.num_compiled_steps == 2 + 2 * 199
                 assert graph_runner.num_compiles == warm_compiles
+                # Each decode step through the code dynamo made for its graph, called directly (the 2
+                # start-up steps built them), unless an earlier test's graphs served this runner's
+                # start-up (it built none of its own).
+                if warm_compiles == 2:
+                    assert graph_runner.compiled.num_direct_calls == 2 * 199
     assert tokens[False] == tokens[True]
 
 
@@ -133,11 +138,14 @@ with LLM(first, **options) as llm:
     compiles, owned = runner.num_compiles, runner.compiled.sealed and runner.compiled.owns_every_graph()
     alone = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
     built = runner.num_compiles - compiles
+    direct_alone = runner.compiled.num_direct_calls
     with LLM(second, **options) as other:  # another model's graphs for the same code
         other.generate(prompts[:1], params)
         shared = runner.compiled.owns_every_graph()
         after = [o.token_ids for o in llm.generate(prompts, params)]
-print(json.dumps(dict(owned=owned, built=built, shared=shared, alone=alone, after=after)))
+    direct_after = runner.compiled.num_direct_calls - direct_alone
+print(json.dumps(dict(owned=owned, built=built, shared=shared, alone=alone, after=after,
+                      direct_alone=direct_alone, direct_after=direct_after)))
 """
 
 
@@ -157,9 +165,58 @@ def test_after_start_up_steps_check_only_the_distinguishing_guards_and_emit_the_
     # nothing built after start-up, and the eager tokens.
     assert result["owned"] and result["built"] == 0
     assert result["alone"] == eager[:1] + eager[1:]
-    # Another model's graphs for the same code: each step checks every guard again, and is still right.
+    # Sealed: every decode step (39 at batch 1, 39 at batch 2) called its graph's code directly.
+    assert result["direct_alone"] == 2 * 39
+    # Another model's graphs for the same code: the runner's own graphs still read its own weights
+    # (39 more direct calls), and the tokens are still right.
     assert not result["shared"]
+    assert result["direct_after"] == 39
     assert result["after"] == eager[1:]
+
+
+def scale_and_shift(x, scale: int):
+    return x * scale + 1
+
+
+def shift_then_break(x):
+    y = x + 1
+    torch._dynamo.graph_break()
+    return y * 2
+
+
+def test_a_sealed_call_that_names_its_graph_runs_the_code_dynamo_made_for_that_graph():
+    compiled = CountingCompiler(scale_and_shift)
+    x = torch.randn(4)
+    for scale in (2, 3):  # an int argument is a constant of its graph: two graphs
+        torch.testing.assert_close(compiled(x, scale, graph=scale), x * scale + 1)
+    assert compiled.num_compiles == 2 and set(compiled.direct_calls) == {2, 3}
+    compiled.seal()
+    for scale in (3, 2, 3):  # each key's own code: the other graph would scale by the other constant
+        torch.testing.assert_close(compiled(x, scale, graph=scale), x * scale + 1)
+    assert compiled.num_direct_calls == 3 and compiled.num_compiles == 2
+    # No key, or a key no graph was built under: through torch.compile.
+    torch.testing.assert_close(compiled(x, 2), x * 2 + 1)
+    assert compiled.num_direct_calls == 3 and compiled.num_calls == 6
+    # A second instance for the same code calls the graphs dynamo's lookup gives it directly too (its
+    # own: dynamo keeps a compiler's graphs apart from another compiler's).
+    second = CountingCompiler(scale_and_shift)
+    for scale in (3, 2):
+        second(x, scale, graph=scale)
+    second.seal()
+    for scale in (2, 3):
+        torch.testing.assert_close(second(x, scale, graph=scale), x * scale + 1)
+    assert second.num_direct_calls == 2
+
+
+def test_code_that_resumes_after_a_graph_break_is_not_called_directly():
+    """Its second half is a function dynamo compiles when its frame runs: called outside
+    torch.compile it would run eagerly."""
+    compiled = CountingCompiler(shift_then_break)
+    x = torch.randn(4)
+    compiled(x, graph="step")
+    compiled.seal()
+    torch.testing.assert_close(compiled(x, graph="step"), (x + 1) * 2)
+    assert compiled.num_compiles == 2 and not compiled.direct_calls and compiled.num_direct_calls == 0
 
 
 class ThreadRecorder:
@@ -168,9 +225,9 @@ class ThreadRecorder:
     def __init__(self, compiled):
         self.compiled, self.counts = compiled, []
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         self.counts.append(torch.get_num_threads())
-        return self.compiled(*args)
+        return self.compiled(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)
