@@ -52,7 +52,7 @@ from warpspec.workers.compiled_step import (
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.eagle3 import Eagle3Draft
-from warpspec.workers.step import SequenceStep, StepInput, padded_block_tables
+from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
 
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
 
@@ -153,8 +153,8 @@ class Eagle3Proposer:
         n = self.catch_up_len
         plan = [SequenceStep(r.token_ids + r.token_ids[-1:] * (n - r.num_positions), r.first_position, table, 0)
                 for r, table in zip(requests, tables, strict=True)]
-        rows = torch.tensor([r.feature_start + min(j, r.num_positions - 1) for r in requests for j in range(n)])
-        last = torch.tensor([i * n + r.num_positions - 1 for i, r in enumerate(requests)], dtype=torch.long)
+        rows = int_tensor([r.feature_start + min(j, r.num_positions - 1) for r in requests for j in range(n)])
+        last = int_tensor([i * n + r.num_positions - 1 for i, r in enumerate(requests)])
         step = StepInput.build(plan, self.block_size).to(self.device)
         return step, features[rows.to(self.device)], last.to(self.device)
 

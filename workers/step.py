@@ -7,11 +7,23 @@ sequence that already has `seq_len - query_len` tokens in the KV cache.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from warpspec.workers import wire
+
+# array typecodes of the integer dtypes steps carry
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype) for int64 or int32, at a third of the cost (0.8 against
+    2.7 us): through an array's buffer, which the tensor keeps. A step builds ~20 small tensors."""
+    if not values:  # frombuffer takes no empty buffer
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
 @dataclass
@@ -42,8 +54,8 @@ class StepPlan:
 def padded_block_tables(tables: list[list[int]], num_blocks: int) -> torch.Tensor:
     """[len(tables), num_blocks] int32: each table's first num_blocks blocks, padded with 0."""
     # One tensor from padded lists: a tensor per row costs a few microseconds each, every step.
-    rows = [table[:num_blocks] + [0] * (num_blocks - len(table)) for table in tables]
-    return torch.tensor(rows, dtype=torch.int32).view(len(tables), num_blocks)
+    flat = [block for table in tables for block in table[:num_blocks] + [0] * (num_blocks - len(table))]
+    return int_tensor(flat, torch.int32).view(len(tables), num_blocks)
 
 
 @dataclass
@@ -85,13 +97,13 @@ class StepInput:
         max_seq_len = max(seq_lens)
         block_tables = padded_block_tables([seq.block_table for seq in seqs], -(-max_seq_len // block_size))
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            input_ids=int_tensor(input_ids),
+            positions=int_tensor(positions),
+            query_start_loc=int_tensor(query_start_loc),
+            seq_lens=int_tensor(seq_lens),
             block_tables=block_tables,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            slot_mapping=int_tensor(slot_mapping),
+            logits_indices=int_tensor(logits_indices),
             max_query_len=max(len(s.token_ids) for s in seqs),
             max_seq_len=max_seq_len,
             aux_layer_ids=list(aux_layer_ids or []),
