@@ -68,8 +68,8 @@ INDUCTOR_PATCHES = {"cpp_wrapper": True}
 class CountingCompiler:
     """torch.compile with inductor that counts the graphs it builds and the calls it serves (tests
     hold a generation to them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic)
-    stay symbolic. A graph another instance built for the same code, with every guard passing (a
-    model of the same shapes), serves this one too without counting as a compile here.
+    stay symbolic. Each instance builds its own graphs: dynamo keeps the graphs one compiler (backend)
+    built apart from another's, even for the same code and shapes.
 
     After `seal()` (its owner's warm-up ran every graph it will call), a call that names its graph
     (`graph=`, the key its owner tells its graphs apart by: query length, one sequence or more) runs
@@ -79,8 +79,8 @@ class CountingCompiler:
     for the bundled target's decode step, 1.25 against 1.15 for its 4-token verification.
 
     Which code: the warm-up call of each graph looks it up as dynamo does, the cached graph whose
-    guards pass for that call, once. The code reads the weights of the frame it runs in (this
-    instance's), whichever model built the graph. A graph with a graph break is not called directly
+    guards pass for that call, once. The code reads the weights of the frame it runs in, this
+    instance's. A graph with a graph break is not called directly
     (its resumed part would run eagerly). Calls without a key, or before the seal, go through
     torch.compile: after the seal checking only the distinguishing guards while every graph cached
     for the code is this instance's own (the differences to another model's graphs were never
