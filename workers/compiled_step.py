@@ -65,11 +65,24 @@ THREAD_SAMPLE_SEQS = 8
 INDUCTOR_PATCHES = {"cpp_wrapper": True}
 
 
+def with_own_code(fn: Callable) -> Callable:
+    """fn (a function or a bound method) with a copy of its code object. Dynamo keeps its graphs per
+    code object, and stops compiling one after torch._dynamo.config.recompile_limit graphs (8),
+    running it eagerly from then on with a warning. Every engine in a process compiles the same
+    step functions, up to 4 graphs each: the third engine's steps would silently run eagerly (the
+    test suite's did), and each engine's calls would look up every other engine's graphs."""
+    func = getattr(fn, "__func__", fn)
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    owner = getattr(fn, "__self__", None)
+    return own if owner is None else types.MethodType(own, owner)
+
+
 class CountingCompiler:
     """torch.compile with inductor that counts the graphs it builds and the calls it serves (tests
     hold a generation to them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic)
-    stay symbolic. Each instance builds its own graphs: dynamo keeps the graphs one compiler (backend)
-    built apart from another's, even for the same code and shapes.
+    stay symbolic. It compiles a copy of fn's code (with_own_code), so its graphs and its recompile
+    limit are its own, whatever else in the process compiles fn.
 
     After `seal()` (its owner's warm-up ran every graph it will call), a call that names its graph
     (`graph=`, the key its owner tells its graphs apart by: query length, one sequence or more) runs
@@ -82,19 +95,17 @@ class CountingCompiler:
     guards pass for that call, once. The code reads the weights of the frame it runs in, this
     instance's. A graph with a graph break is not called directly
     (its resumed part would run eagerly). Calls without a key, or before the seal, go through
-    torch.compile: after the seal checking only the distinguishing guards while every graph cached
-    for the code is this instance's own (the differences to another model's graphs were never
-    checked)."""
+    torch.compile: after the seal checking only the distinguishing guards."""
 
     def __init__(self, fn: Callable):
         self.num_compiles = 0
         self.num_calls = 0
         self.num_direct_calls = 0
-        self.fn = fn
-        self.code = getattr(fn, "__func__", fn).__code__
+        self.fn = with_own_code(fn)
+        self.code = getattr(self.fn, "__func__", self.fn).__code__
         self.sealed = False
         self.direct_calls: dict[Hashable, Callable] = {}  # graph -> dynamo's code for it, called like fn
-        self.compiled = torch.compile(fn, backend=self._inductor, dynamic=False)
+        self.compiled = torch.compile(self.fn, backend=self._inductor, dynamic=False)
 
     def _inductor(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx
@@ -111,7 +122,7 @@ class CountingCompiler:
         if direct is not None:
             self.num_direct_calls += 1
             return direct(*args)
-        skip_guards = self.sealed and self.owns_every_graph()
+        skip_guards = self.sealed and self.owns_every_graph()  # always, with its own code; checked all the same
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip_guards \
                 else contextlib.nullcontext():
             result = self.compiled(*args)

@@ -136,18 +136,19 @@ with LLM(first, **options) as llm:
     alone = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
     built = runner.num_compiles - compiles
     direct_alone = runner.compiled.num_direct_calls
-    with LLM(second, **options) as other:  # another model's graphs for the same code
+    with LLM(second, **options) as other:  # another model compiles the same step function
         other.generate(prompts[:1], params)
-        shared = runner.compiled.owns_every_graph()
+        still_owned = runner.compiled.owns_every_graph()
         after = [o.token_ids for o in llm.generate(prompts, params)]
     direct_after = runner.compiled.num_direct_calls - direct_alone
-print(json.dumps(dict(owned=owned, built=built, shared=shared, alone=alone, after=after,
+print(json.dumps(dict(owned=owned, built=built, still_owned=still_owned, alone=alone, after=after,
                       direct_alone=direct_alone, direct_after=direct_after)))
 """
 
 
 @pytest.mark.slow
-def test_after_start_up_steps_check_only_the_distinguishing_guards_and_emit_the_eager_tokens(checkpoint, tmp_path):
+def test_after_start_up_steps_call_their_graphs_directly_beside_another_model_and_emit_the_eager_tokens(
+        checkpoint, tmp_path):
     other = make_text_checkpoint(tmp_path / "other", hidden_size=32, head_dim=8)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 13], [7, 11, 3, 8, 21, 30]]
@@ -164,9 +165,9 @@ def test_after_start_up_steps_check_only_the_distinguishing_guards_and_emit_the_
     assert result["alone"] == eager[:1] + eager[1:]
     # Sealed: every decode step (39 at batch 1, 39 at batch 2) called its graph's code directly.
     assert result["direct_alone"] == 2 * 39
-    # Another model's graphs for the same code: the runner's own graphs still read its own weights
-    # (39 more direct calls), and the tokens are still right.
-    assert not result["shared"]
+    # Another model compiling the same step function: its graphs go to its own copy of the code, and
+    # this runner's steps still call their own graphs directly (39 more), with the right tokens.
+    assert result["still_owned"]
     assert result["direct_after"] == 39
     assert result["after"] == eager[1:]
 
@@ -203,6 +204,18 @@ def test_a_sealed_call_that_names_its_graph_runs_the_code_dynamo_made_for_that_g
     for scale in (2, 3):
         torch.testing.assert_close(second(x, scale, graph=scale), x * scale + 1)
     assert second.num_direct_calls == 2
+
+
+def test_each_compiler_compiles_its_own_copy_of_the_code_past_dynamos_recompile_limit():
+    """Dynamo stops compiling a code object after recompile_limit graphs and runs it eagerly: engines
+    sharing one step function would, past the limit, silently step eagerly."""
+    x = torch.randn(4)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compilers = [CountingCompiler(scale_and_shift) for _ in range(3)]
+        for scale, compiled in enumerate(compilers, start=5):  # a graph of its own each
+            torch.testing.assert_close(compiled(x, scale, graph="step"), x * scale + 1)
+    assert [c.num_compiles for c in compilers] == [1, 1, 1]
+    assert all(c.owns_every_graph() and "step" in c.direct_calls for c in compilers)
 
 
 def test_code_that_resumes_after_a_graph_break_is_not_called_directly():
