@@ -71,11 +71,15 @@ def with_own_code(fn: Callable) -> Callable:
     running it eagerly from then on with a warning. Every engine in a process compiles the same
     step functions, up to 4 graphs each: the third engine's steps would silently run eagerly (the
     test suite's did), and each engine's calls would look up every other engine's graphs."""
+    return with_code(fn, getattr(fn, "__func__", fn).__code__.replace())
+
+
+def with_code(fn: Callable, code: types.CodeType) -> Callable:
+    """fn's function (its globals, defaults and closure) running code, bound as fn is."""
     func = getattr(fn, "__func__", fn)
-    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
-                             func.__closure__)
+    new = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__, func.__closure__)
     owner = getattr(fn, "__self__", None)
-    return own if owner is None else types.MethodType(own, owner)
+    return new if owner is None else types.MethodType(new, owner)
 
 
 class CountingCompiler:
@@ -93,9 +97,9 @@ class CountingCompiler:
 
     Which code: the warm-up call of each graph looks it up as dynamo does, the cached graph whose
     guards pass for that call, once. The code reads the weights of the frame it runs in, this
-    instance's. A graph with a graph break is not called directly
-    (its resumed part would run eagerly). Calls without a key, or before the seal, go through
-    torch.compile: after the seal checking only the distinguishing guards."""
+    instance's. A graph with a graph break is not called directly (its resumed part would run
+    eagerly). Calls without a key, or before the seal, go through torch.compile: after the seal
+    checking only the distinguishing guards, since every graph of its code is its own."""
 
     def __init__(self, fn: Callable):
         self.num_compiles = 0
@@ -122,8 +126,7 @@ class CountingCompiler:
         if direct is not None:
             self.num_direct_calls += 1
             return direct(*args)
-        skip_guards = self.sealed and self.owns_every_graph()  # always, with its own code; checked all the same
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip_guards \
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if self.sealed \
                 else contextlib.nullcontext():
             result = self.compiled(*args)
         if graph is not None and not self.sealed and graph not in self.direct_calls:
@@ -144,11 +147,11 @@ class CountingCompiler:
         if (code is None or any(name.startswith("__resume_at") for name in code.co_names)
                 or len(code.co_freevars) != len(fn.__closure__ or ())):
             return
-        direct = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        self.direct_calls[graph] = direct if owner is None else types.MethodType(direct, owner)
+        self.direct_calls[graph] = with_code(self.fn, code)
 
     def owns_every_graph(self) -> bool:
-        """Whether every graph dynamo holds for this code was built by this instance."""
+        """Whether every graph dynamo holds for this code was built by this instance (what its own
+        copy of the code guarantees; tests hold it)."""
         try:
             from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         except ImportError:  # a torch without it: check every guard

@@ -192,11 +192,11 @@ def test_a_sealed_call_that_names_its_graph_runs_the_code_dynamo_made_for_that_g
     for scale in (3, 2, 3):  # each key's own code: the other graph would scale by the other constant
         torch.testing.assert_close(compiled(x, scale, graph=scale), x * scale + 1)
     assert compiled.num_direct_calls == 3 and compiled.num_compiles == 2
-    # No key, or a key no graph was built under: through torch.compile.
+    # No key: through torch.compile.
     torch.testing.assert_close(compiled(x, 2), x * 2 + 1)
     assert compiled.num_direct_calls == 3 and compiled.num_calls == 6
-    # A second instance for the same code calls the graphs dynamo's lookup gives it directly too (its
-    # own: dynamo keeps a compiler's graphs apart from another compiler's).
+    # A second instance for the same function builds and calls its own graphs directly too, in its own
+    # copy of the code.
     second = CountingCompiler(scale_and_shift)
     for scale in (3, 2):
         second(x, scale, graph=scale)
