@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import os
 import types
+import weakref
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def with_code(fn: Callable, code: types.CodeType) -> Callable:
     return new if owner is None else types.MethodType(new, owner)
 
 
+class CountedInductor:
+    """The inductor backend of one CountingCompiler, counting the graphs it builds. Dynamo keeps
+    every backend it was given for the life of the process (torch._dynamo.eval_frame.cached_backends),
+    so this one holds its compiler weakly: holding it strongly, through the compiler's step function,
+    kept every shut-down engine's model in memory."""
+
+    def __init__(self, compiler: CountingCompiler):
+        self.compiler = weakref.ref(compiler)
+
+    def __call__(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiler = self.compiler()
+        if compiler is not None:
+            compiler.num_compiles += 1
+        return compile_fx(graph_module, example_inputs, config_patches=INDUCTOR_PATCHES)
+
+
 class CountingCompiler:
     """torch.compile with inductor that counts the graphs it builds and the calls it serves (tests
     hold a generation to them). dynamic=False: only the sizes marked dynamic (mark_step_dynamic)
@@ -109,13 +128,7 @@ class CountingCompiler:
         self.code = getattr(self.fn, "__func__", self.fn).__code__
         self.sealed = False
         self.direct_calls: dict[Hashable, Callable] = {}  # graph -> dynamo's code for it, called like fn
-        self.compiled = torch.compile(self.fn, backend=self._inductor, dynamic=False)
-
-    def _inductor(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        self.num_compiles += 1
-        return compile_fx(graph_module, example_inputs, config_patches=INDUCTOR_PATCHES)
+        self.compiled = torch.compile(self.fn, backend=CountedInductor(self), dynamic=False)
 
     def seal(self) -> None:
         self.sealed = True

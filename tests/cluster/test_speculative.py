@@ -3,7 +3,9 @@ sampled output follows the target's distribution."""
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -201,7 +203,13 @@ def test_compiled_draft_is_still_lossless(target, draft, reference):
         assert proposer.decode_compiler.num_compiles <= 2
         assert not proposer.compiled_greedy_proposal.failed and proposer.greedy_proposal_compiler.num_calls > 0
         assert proposer.greedy_proposal_compiler.num_compiles <= 2
+        models = weakref.ref(llm.engine.executor.runner.model), weakref.ref(proposer.draft)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    # Shut down, the engine frees both models: dynamo keeps every compiler backend for the life of the
+    # process, and one that held its compiler strongly kept the target in memory.
+    del llm, proposer
+    gc.collect()
+    assert [model() for model in models] == [None, None]
 
 
 def test_enforce_eager_leaves_the_draft_uncompiled(target, draft):

@@ -3,10 +3,12 @@ cache included), and that the graphs are built at start-up and never again."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -118,7 +120,12 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
                 # Each decode step through the code dynamo made for its graph, called directly (the 2
                 # start-up steps built the graphs).
                 assert graph_runner.compiled.num_direct_calls == 2 * 199
+                model = weakref.ref(llm.engine.executor.runner.model)
     assert tokens[False] == tokens[True]
+    # Dynamo keeps the compiler's backend for the life of the process: it must not keep the model.
+    del llm, graph_runner
+    gc.collect()
+    assert model() is None
 
 
 # Run in a fresh process: every compiled test in this one adds graphs for the same code, and a runner
