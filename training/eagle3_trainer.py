@@ -6,9 +6,9 @@ distribution over the token at p + 2 restricted to the draft vocabulary, from th
 feature, in `ttt_steps` unrolled steps (the training-time test): step 0 takes fc(target features at
 p); step j takes the draft's own step-(j-1) output at p - 1, as at inference, where every draft token
 after the first is predicted from the draft's previous output. Step j's loss weighs 0.8^j.
-Simplification: every step attends causally over its own step's keys; at inference the context before
-the chain holds target-fed keys. The draft vocabulary is the most frequent target tokens of the corpus.
-Embeddings are the target's, frozen.
+Each step attends to the keys inference gives it (`chain_attention`): the target-fed keys of the context
+before its chain, then the chain's own keys. The draft vocabulary is the most frequent target tokens of
+the corpus. Embeddings are the target's, frozen.
 """
 
 from __future__ import annotations
@@ -162,19 +162,6 @@ class DraftTrainer:
         logprobs = torch.log_softmax(out.logits[:, self.draft_ids], dim=-1).reshape(shape)
         return features, logprobs
 
-    def draft_layer(self, tokens: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft over whole sequences with causal attention: tokens [B, L], features [B, L, F]
-        -> draft-vocab logits [B, L, Vd] and pre-norm outputs [B, L, H]. The same halves the
-        inference path runs; only the attention between them differs (dense causal, no KV cache)."""
-        d, c = self.draft, self.draft.config
-        batch, length = tokens.shape
-        positions = torch.arange(length).repeat(batch)
-        q, k, v, residual = d.before_attention(tokens.reshape(-1), features.reshape(batch * length, -1), positions)
-        q, k, v = (t.view(batch, length, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-        logits, prenorm = d.after_attention(attn.reshape(batch * length, -1), residual)
-        return logits.view(batch, length, -1), prenorm.view(batch, length, -1)
-
     def losses(self, batch: list[list[int]]) -> tuple[torch.Tensor, list[float]]:
         """Weighted unrolled loss, and per step the top-1 agreement with the target."""
         features, target_logprobs = self.target_outputs(batch)
@@ -182,18 +169,14 @@ class DraftTrainer:
         # Position p reads token p + 1 and is scored against the target's distribution for p + 2,
         # which the target computed at position p + 1.
         inputs, goal = tokens[:, 1:-1], target_logprobs[:, 1:-1]
-        feature = features[:, :-2]
         total, agreement = torch.zeros(()), []
-        for step in range(self.config.ttt_steps):
-            logits, prenorm = self.draft_layer(inputs, feature)
+        for step, logits in enumerate(unrolled_logits(self.draft, inputs, features[:, :-2], self.config.ttt_steps)):
             valid = slice(step, None)  # step j's first j positions have no chain behind them
             logprobs = torch.log_softmax(logits[:, valid].float(), dim=-1)
             target = goal[:, valid]
             loss = -(target.exp() * logprobs).sum(-1).mean()
             total = total + STEP_WEIGHT**step * loss
             agreement.append((logprobs.argmax(-1) == target.argmax(-1)).float().mean().item())
-            # The next step's feature at p is this step's output at p - 1.
-            feature = torch.cat([prenorm[:, :1], prenorm[:, :-1]], dim=1)
         return total, agreement
 
     def train(self) -> dict:
@@ -252,3 +235,53 @@ class DraftTrainer:
                                    "use_aux_hidden_state": True}}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return out
+
+
+def unrolled_logits(draft: Eagle3Draft, inputs: torch.Tensor, features: torch.Tensor,
+                    num_steps: int) -> list[torch.Tensor]:
+    """The draft's logits [B, L, Vd] of each unrolled step over whole sequences: inputs [B, L] (position
+    p reads inputs[p]), features [B, L, F] (the target's at p). Step j at position p is the (j+1)-th
+    token of a chain that starts at p - j: its feature is step j-1's pre-norm output at p - 1, and it
+    attends as at inference (`chain_attention`). The same halves the inference path runs; only the
+    attention between them is dense here, with no KV cache."""
+    c = draft.config
+    batch, length = inputs.shape
+    positions = torch.arange(length).repeat(batch)
+    chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    all_logits = []
+    for _ in range(num_steps):
+        q, k, v, residual = draft.before_attention(inputs.reshape(-1), features.reshape(batch * length, -1), positions)
+        q, k, v = (t.view(batch, length, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
+        chain.append((k, v))
+        attn = chain_attention(q, chain, c.head_dim**-0.5).transpose(1, 2)
+        logits, prenorm = draft.after_attention(attn.reshape(batch * length, -1), residual)
+        all_logits.append(logits.view(batch, length, -1))
+        prenorm = prenorm.view(batch, length, -1)
+        features = torch.cat([prenorm[:, :1], prenorm[:, :-1]], dim=1)  # step j+1's feature at p: step j's at p - 1
+    return all_logits
+
+
+def chain_attention(q: torch.Tensor, chain: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Attention of unrolled step j = len(chain) - 1. q [B, Hq, L, D]; chain[i] = step i's (k, v)
+    [B, Hkv, L, D]. At inference the chain that reaches position p at step j started at p - j: the
+    KV cache holds the target-fed (step 0) keys of positions 0..p-j and the chain's own keys, step i's
+    at p - j + i. So a query attends causally to step 0's keys up to p - j, and to one key of each
+    later step. Worked example, j = 2, p = 5: step 0's keys 0..3, step 1's key 4, step 2's key 5.
+    Returns [B, Hq, L, D]."""
+    step = len(chain) - 1
+    length = q.shape[2]
+    groups = q.shape[1] // chain[0][0].shape[1]
+    k0, v0 = (t.repeat_interleave(groups, dim=1) for t in chain[0])
+    query_pos = torch.arange(length)[:, None]
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(torch.arange(length) > query_pos - step, float("-inf"))]
+    values = []
+    for i in range(1, step + 1):
+        lag = step - i  # step i's key sits lag positions before the query
+        k, v = (F.pad(t.repeat_interleave(groups, dim=1)[:, :, : length - lag], (0, 0, lag, 0)) for t in chain[i])
+        scores.append(((q * k).sum(-1, keepdim=True) * scale).masked_fill(query_pos < lag, float("-inf")))
+        values.append(v)
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    out = probs[..., :length] @ v0
+    for i, v in enumerate(values):
+        out = out + probs[..., length + i : length + i + 1] * v
+    return out

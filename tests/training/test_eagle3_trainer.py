@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from warpspec import LLM, SamplingParams
 from warpspec.random_checkpoint import create_random_checkpoint
-from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig
+from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig, unrolled_logits
+from warpspec.workers.eagle3 import Eagle3Config, Eagle3Draft
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +68,42 @@ def test_the_draft_reads_the_layers_asked_for(tmp_path, corpus):
                                  aux_layer_ids=(1, 3, 4)))
     with pytest.raises(ValueError, match=r"aux_layer_ids must be three layer ids, got \[1, 3\]"):
         TrainConfig(target=str(target), data=str(corpus), out=str(tmp_path / "o"), aux_layer_ids=(1, 3))
+
+
+def test_unrolled_steps_attend_as_inference_does():
+    """Each unrolled step's logits equal a chain run the way the proposer runs it: a KV cache holding
+    the target-fed keys of the context, then each draft token appended with the previous draft
+    output as its feature. Before chain attention, steps 1 and 2 attended to their own step's keys
+    at every earlier position, which inference never gives them, and this failed."""
+    torch.manual_seed(0)
+    config = Eagle3Config(hidden_size=32, target_hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, intermediate_size=64, vocab_size=50, draft_vocab_size=20, rms_norm_eps=1e-5,
+                          rope_theta=10000.0, aux_layer_ids=(0, 1, 2))
+    draft = Eagle3Draft(config, torch.randn(50, 32), torch.float64)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.normal_(0.0, 0.5)
+    length, num_steps = 9, 3
+    inputs, features = torch.randint(0, 50, (1, length)), torch.randn(1, length, 96, dtype=torch.float64)
+    with torch.no_grad():
+        trained = unrolled_logits(draft, inputs, features, num_steps)
+
+        def run(token: int, feature: torch.Tensor, position: int, keys: list, values: list):
+            # One token through the draft with a growing cache, as a decode step: [1, ...] rows.
+            q, k, v, residual = draft.before_attention(torch.tensor([token]), feature[None], torch.tensor([position]))
+            keys.append(k[0].repeat_interleave(2, dim=0))
+            values.append(v[0].repeat_interleave(2, dim=0))
+            scores = torch.einsum("hd,thd->ht", q[0], torch.stack(keys)) * config.head_dim**-0.5
+            attn = torch.einsum("ht,thd->hd", scores.softmax(-1), torch.stack(values))
+            logits, prenorm = draft.after_attention(attn.reshape(1, -1), residual)
+            return logits[0], prenorm[0]
+
+        for start in range(length - num_steps + 1):
+            keys, values = [], []
+            for p in range(start + 1):  # the catch-up: target features up to the chain's start
+                logits, prenorm = run(int(inputs[0, p]), features[0, p], p, keys, values)
+            for step in range(num_steps):
+                if step:
+                    p = start + step
+                    logits, prenorm = run(int(inputs[0, p]), prenorm, p, keys, values)
+                torch.testing.assert_close(trained[step][0, start + step], logits)
