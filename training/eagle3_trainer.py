@@ -247,12 +247,13 @@ def unrolled_logits(draft: Eagle3Draft, inputs: torch.Tensor, features: torch.Te
     c = draft.config
     batch, length = inputs.shape
     positions = torch.arange(length).repeat(batch)
+    groups = c.num_attention_heads // c.num_key_value_heads
     chain: list[tuple[torch.Tensor, torch.Tensor]] = []
     all_logits = []
     for _ in range(num_steps):
         q, k, v, residual = draft.before_attention(inputs.reshape(-1), features.reshape(batch * length, -1), positions)
         q, k, v = (t.view(batch, length, -1, c.head_dim).transpose(1, 2) for t in (q, k, v))
-        chain.append((k, v))
+        chain.append((k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)))  # one per query head
         attn = chain_attention(q, chain, c.head_dim**-0.5).transpose(1, 2)
         logits, prenorm = draft.after_attention(attn.reshape(batch * length, -1), residual)
         all_logits.append(logits.view(batch, length, -1))
@@ -262,22 +263,22 @@ def unrolled_logits(draft: Eagle3Draft, inputs: torch.Tensor, features: torch.Te
 
 
 def chain_attention(q: torch.Tensor, chain: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """Attention of unrolled step j = len(chain) - 1. q [B, Hq, L, D]; chain[i] = step i's (k, v)
-    [B, Hkv, L, D]. At inference the chain that reaches position p at step j started at p - j: the
-    KV cache holds the target-fed (step 0) keys of positions 0..p-j and the chain's own keys, step i's
-    at p - j + i. So a query attends causally to step 0's keys up to p - j, and to one key of each
-    later step. Worked example, j = 2, p = 5: step 0's keys 0..3, step 1's key 4, step 2's key 5.
-    Returns [B, Hq, L, D]."""
+    """Attention of unrolled step j = len(chain) - 1. q [B, H, L, D]; chain[i] = step i's (k, v)
+    [B, H, L, D], KV heads repeated to the query heads. At inference the chain that reaches position
+    p at step j started at p - j: the KV cache holds the target-fed (step 0) keys of positions
+    0..p-j and the chain's own keys, step i's at p - j + i. So a query attends causally to step 0's
+    keys up to p - j, and to one key of each later step. Worked example, j = 2, p = 5: step 0's keys
+    0..3, step 1's key 4, step 2's key 5.
+    Returns [B, H, L, D]."""
     step = len(chain) - 1
     length = q.shape[2]
-    groups = q.shape[1] // chain[0][0].shape[1]
-    k0, v0 = (t.repeat_interleave(groups, dim=1) for t in chain[0])
+    k0, v0 = chain[0]
     query_pos = torch.arange(length)[:, None]
     scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(torch.arange(length) > query_pos - step, float("-inf"))]
     values = []
     for i in range(1, step + 1):
         lag = step - i  # step i's key sits lag positions before the query
-        k, v = (F.pad(t.repeat_interleave(groups, dim=1)[:, :, : length - lag], (0, 0, lag, 0)) for t in chain[i])
+        k, v = (F.pad(t[:, :, : length - lag], (0, 0, lag, 0)) for t in chain[i])
         scores.append(((q * k).sum(-1, keepdim=True) * scale).masked_fill(query_pos < lag, float("-inf")))
         values.append(v)
     probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)

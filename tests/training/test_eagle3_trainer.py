@@ -88,11 +88,13 @@ def test_unrolled_steps_attend_as_inference_does():
     with torch.no_grad():
         trained = unrolled_logits(draft, inputs, features, num_steps)
 
+        groups = config.num_attention_heads // config.num_key_value_heads
+
         def run(token: int, feature: torch.Tensor, position: int, keys: list, values: list):
             # One token through the draft with a growing cache, as a decode step: [1, ...] rows.
             q, k, v, residual = draft.before_attention(torch.tensor([token]), feature[None], torch.tensor([position]))
-            keys.append(k[0].repeat_interleave(2, dim=0))
-            values.append(v[0].repeat_interleave(2, dim=0))
+            keys.append(k[0].repeat_interleave(groups, dim=0))
+            values.append(v[0].repeat_interleave(groups, dim=0))
             scores = torch.einsum("hd,thd->ht", q[0], torch.stack(keys)) * config.head_dim**-0.5
             attn = torch.einsum("ht,thd->hd", scores.softmax(-1), torch.stack(values))
             logits, prenorm = draft.after_attention(attn.reshape(1, -1), residual)
