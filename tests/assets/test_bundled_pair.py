@@ -30,6 +30,11 @@ def test_pair_ships_under_40_mb_with_its_card():
     # The card quotes the perplexity the training run measured, to two decimals.
     report = json.loads((BUNDLED_TARGET / "training_report.json").read_text())
     assert f"{report['val_perplexity']:.2f}" in card
+    # ... and the draft's held-out agreement at its last step, per unrolled step, to three decimals.
+    draft_report = json.loads((BUNDLED_DRAFT / "training_report.json").read_text())
+    last = draft_report["history"][-1]
+    assert last["step"] == draft_report["config"]["steps"]
+    assert " / ".join(f"{a:.3f}" for a in last["val_agreement"]) in card
 
 
 def test_target_matches_transformers_greedy():
