@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
-from warpspec.llm import LLM
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 
 HF_GREEDY = "transformers greedy"
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     # and eager): a local cluster must offer that many, oversubscribing a small machine.
     ray_cpus = sum(2 * len(step_modes(n)) * n for _, n, executor, _ in layouts if executor == "ray" or n > 1)
     if ray_cpus:
-        from warpspec.ray_env import connect_ray
+        from warpspec.executor.ray_env import connect_ray
 
         connect_ray(args.run_dir, num_cpus=ray_cpus)
     engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(

@@ -21,7 +21,7 @@ from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET
 START = """
 import json, sys, time
 start = time.perf_counter()
-from warpspec.llm import LLM
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 target, draft, eager, run_dir = sys.argv[1], sys.argv[2] or None, sys.argv[3] == "1", sys.argv[4]
 params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -29,10 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
-from warpspec.async_llm import AsyncLLM
 from warpspec.benchmarks.report import write_report
 from warpspec.benchmarks.spec import measure
-from warpspec.llm import LLM
+from warpspec.entrypoints.async_llm import AsyncLLM
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 
 # Small enough that 16 staggered requests preempt and chunk their prefills.

@@ -25,9 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
-from warpspec.llm import LLM
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
+from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.step import SequenceStep, StepInput
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts, held_out_texts
-from warpspec.llm import LLM
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 
 WINDOW = 256

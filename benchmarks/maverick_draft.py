@@ -4,7 +4,7 @@ A speculative step is not only the target's verification: the coordinator also r
 Llama decoder layer at the target's width, unsharded, in bf16 as in NVIDIA's record setup) to
 propose the next k tokens. Per step that is one catch-up forward over the k+1 positions just
 verified (the accepted ones and the correction or bonus token) and k-1 forwards of one token each
-(cluster/eagle3_proposer.py). The projection adds this time, and the engine's host time per step, to
+(cluster/spec_decode/eagle3.py). The projection adds this time, and the engine's host time per step, to
 the rank's.
 
 The draft's widths are the published EAGLE-3 layout at Maverick's size; its MLP width and draft

@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_TARGET, held_out_prompts
 from warpspec.benchmarks.report import write_report
+from warpspec.entrypoints.llm import LLM
 from warpspec.kernels import moe_experts, route_topk_sigmoid
-from warpspec.llm import LLM
 from warpspec.sampling_params import SamplingParams
 from warpspec.workers.comm import Communicator
 from warpspec.workers.llama4 import Llama4MoE

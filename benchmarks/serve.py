@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from warpspec.async_llm import AsyncLLM
 from warpspec.benchmarks.throughput import make_prompts
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.sampling_params import SamplingParams
 from warpspec.serving.serve_config import ServeConfig
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 # One request under load: (time to first token, time per output token after it, output tokens, the
 # inter-token latencies: for each message after the first, the time since the one before, as
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (model_dir / "config.json").exists():
         create_random_checkpoint(model_dir, "small")
     if args.autoscale:
-        from warpspec.serving.autoscale_check import run_autoscale_check
+        from warpspec.benchmarks.autoscale_check import run_autoscale_check
 
         result = run_autoscale_check(model_dir, concurrency=args.concurrency)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,9 @@ import argparse
 import time
 
 from warpspec.benchmarks.report import write_report
-from warpspec.llm import LLM
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.spec_stats import SpeculationStats
+from warpspec.spec_decode.stats import SpeculationStats
 
 
 def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[list[int]]:

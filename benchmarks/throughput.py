@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from warpspec.async_llm import AsyncLLM
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.sampling_params import SamplingParams
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 def _percentile(values: list[float], q: float) -> float:

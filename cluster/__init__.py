@@ -6,7 +6,7 @@ the GPU check run on a machine that has torch and Triton only) does not import R
 import importlib
 
 _PUBLIC = {
-    "LLM": "warpspec.llm",
+    "LLM": "warpspec.entrypoints.llm",
     "Logprob": "warpspec.outputs",
     "RequestOutput": "warpspec.outputs",
     "InvalidRequestError": "warpspec.sampling_params",

@@ -1,5 +1,5 @@
 """`python -m warpspec`: the `warpspec` command line."""
 
-from warpspec.cli import main
+from warpspec.cli.main import main
 
 raise SystemExit(main())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from warpspec.output_processor import OutputProcessor
+from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 
 

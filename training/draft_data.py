@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from warpspec.llm import LLM
+from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 from warpspec.tokenizer import Tokenizer
 from warpspec.training.corpus import DEBIAN_DOC_DIRS, read_documents, split_documents

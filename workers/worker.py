@@ -1,6 +1,6 @@
 """One rank of a model replica: joins the collective group, loads its shard, runs steps.
 
-A plain class; the Ray actor that hosts it (cluster/coordinator.py) only forwards calls, so tests
+A plain class; the Ray actor that hosts it (cluster/executor/coordinator.py) only forwards calls, so tests
 can build it in-process.
 """
 

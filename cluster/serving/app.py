@@ -23,9 +23,9 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from warpspec.config import ParallelConfig
-from warpspec.coordinator import check_gang_fits, serving_bundles
-from warpspec.engine_options import engine_config
+from warpspec.config.engine import ParallelConfig
+from warpspec.config.options import engine_config
+from warpspec.executor.coordinator import check_gang_fits, serving_bundles
 from warpspec.serving.deployment import WarpspecServer
 from warpspec.serving.serve_config import ServeConfig
 
@@ -77,7 +77,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     Model and engine:
         model (required): the target checkpoint folder, readable on every node that hosts a replica.
         model_name: the name clients use (OpenAI `model`); default the folder's name.
-        Every engine option, by name (warpspec.engine_options.ENGINE_OPTIONS; the README's table
+        Every engine option, by name (warpspec.config.options.ENGINE_OPTIONS; the README's table
         lists each with its default): dtype, max_model_len, quantization, device ("auto": cuda when
         the Ray cluster has GPUs), deterministic, the KV cache (kv_cache_memory_gib per worker or
         num_kv_blocks, block_size), the scheduler (max_num_seqs, max_num_batched_tokens,

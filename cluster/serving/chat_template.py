@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from warpspec.engine import Prompt
+from warpspec.core.engine_core import Prompt
 from warpspec.sampling_params import InvalidRequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

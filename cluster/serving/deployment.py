@@ -30,7 +30,7 @@ import logging
 from grpc_health.v1 import health_pb2
 from ray import serve
 
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.grpc_service import GenerationService

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from warpspec.engine_stats import EngineStats
+from warpspec.core.stats import EngineStats
 from warpspec.outputs import RequestOutput
 
 # Seconds. TTFT spans queueing and prefill; TPOT one decode step (or a fraction, when speculating).

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from warpspec.engine import Prompt
+from warpspec.core.engine_core import Prompt
 from warpspec.outputs import RequestOutput, new_positions
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.serving.limits import RequestLimits

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from warpspec.async_llm import AsyncLLM
-from warpspec.engine import Prompt
+from warpspec.core.engine_core import Prompt
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import EngineError, EngineOverloadedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams

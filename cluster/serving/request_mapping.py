@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from google.protobuf import unknown_fields
 
-from warpspec.engine import Prompt
+from warpspec.core.engine_core import Prompt
 from warpspec.outputs import PositionLogprobs, RequestOutput, new_positions
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.sampling_params import InvalidRequestError, SamplingParams

@@ -19,7 +19,7 @@ import socket
 import threading
 from typing import Any
 
-from warpspec.engine_options import add_engine_flags, engine_options_from_flags
+from warpspec.config.options import add_engine_flags, engine_options_from_flags
 from warpspec.serving.auth import API_KEY_ENV
 from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTIONS
 
@@ -130,7 +130,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_serve_command(ns: argparse.Namespace) -> None:
 
-    from warpspec.ray_env import connect_ray
+    from warpspec.executor.ray_env import connect_ray
 
     args: dict[str, Any] = {"model": ns.model, "model_name": ns.model_name, "num_workers": ns.workers,
                             "min_replicas": ns.min_replicas, "max_replicas": ns.max_replicas,

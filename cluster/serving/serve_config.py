@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from warpspec.engine_options import BY_NAME as ENGINE_OPTIONS
-from warpspec.engine_options import engine_config, parse_option
+from warpspec.config.options import BY_NAME as ENGINE_OPTIONS
+from warpspec.config.options import engine_config, parse_option
 from warpspec.serving.auth import ApiKeyAuth, resolve_api_key
 from warpspec.serving.limits import MIB, RequestLimits
 

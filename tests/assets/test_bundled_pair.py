@@ -72,7 +72,7 @@ def ray_processes(temp_dir: Path) -> list[psutil.Process]:
 def test_demo_streams_real_text_and_leaves_no_process():
     run_dir = REPO / "runs" / "test-demo"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    result = subprocess.run([sys.executable, "-m", "warpspec.cli", "demo", "--requests", "3", "--max-tokens", "24",
+    result = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "demo", "--requests", "3", "--max-tokens", "24",
                              "--grpc-port", "9301", "--http-port", "8301", "--run-dir", str(run_dir)],
                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from warpspec import LLM, InvalidRequestError, SamplingParams
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import EngineOverloadedError, StepFailedError
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

@@ -14,8 +14,8 @@ import pytest
 from eagle3_checkpoints import make_eagle3_checkpoint
 
 from warpspec import InvalidRequestError, SamplingParams
-from warpspec.llm import LLM
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.entrypoints.llm import LLM
+from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.errors import CheckpointError
 
 MAX_MODEL_LEN = 64

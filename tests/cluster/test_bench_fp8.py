@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from warpspec.cli import main
+from warpspec.cli.main import main
 
 
 def test_bench_fp8_reports_both_precisions(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 from eagle3_checkpoints import make_eagle3_checkpoint
 
 from warpspec.benchmarks import spec
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from warpspec.benchmarks import throughput
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 @pytest.mark.slow

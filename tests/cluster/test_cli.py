@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from warpspec import LLM, SamplingParams
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 WARPSPEC = shutil.which("warpspec") or str(Path(sys.executable).with_name("warpspec"))
 

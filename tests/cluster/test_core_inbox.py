@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from warpspec.core_inbox import CoreInbox
-from warpspec.core_messages import CoreInput
+from warpspec.core.inbox import CoreInbox
+from warpspec.core.messages import CoreInput
 
 
 def test_messages_are_taken_in_number_order_and_a_gap_holds_back_the_rest():

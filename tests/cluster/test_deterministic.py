@@ -15,7 +15,7 @@ from staggered import run_staggered
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 
 BLOCK = 4
 # 20 blocks of 4 tokens: far less than the requests need at once (preemption); 16 tokens per step

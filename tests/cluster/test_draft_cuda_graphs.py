@@ -9,11 +9,11 @@ import pytest
 import torch
 from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
-from warpspec.draft_cuda_graphs import DraftGraphRunner, pad_greedy_proposal
-from warpspec.eagle3_proposer import Eagle3Proposer
-from warpspec.keyed_random import KeyedRandom
-from warpspec.proposer import DraftRequest
+from warpspec.sample.keyed_random import KeyedRandom
+from warpspec.spec_decode.eagle3 import Eagle3Proposer
+from warpspec.spec_decode.proposer import DraftRequest
 from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.draft_cuda_graphs import DraftGraphRunner, pad_greedy_proposal
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
 from warpspec.workers.model_config import ModelConfig

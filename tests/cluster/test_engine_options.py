@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from warpspec.async_llm import AsyncLLM
-from warpspec.cli import build_parser
-from warpspec.config import EngineConfig
-from warpspec.engine_options import ENGINE_OPTIONS, engine_config, engine_options_from_flags, flag, options_table
+from warpspec.cli.main import build_parser
+from warpspec.config.engine import EngineConfig
+from warpspec.config.options import ENGINE_OPTIONS, engine_config, engine_options_from_flags, flag, options_table
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.serving.app import build_app
 from warpspec.serving.serve_config import ServeConfig
 

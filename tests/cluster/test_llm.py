@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from warpspec import LLM, InvalidRequestError, SamplingParams
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -141,7 +141,7 @@ def test_one_local_worker_runs_without_importing_ray(checkpoint):
     """Ray costs seconds and hundreds of MB to import: an in-process engine (AsyncLLM too) has no use for it."""
     code = ("import asyncio, sys\n"
             "from warpspec import LLM, SamplingParams\n"
-            "from warpspec.async_llm import AsyncLLM\n"
+            "from warpspec.entrypoints.async_llm import AsyncLLM\n"
             f"llm = LLM({str(checkpoint)!r}, dtype='float32')\n"
             "assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids) == 2\n"
             f"engine = AsyncLLM.from_options({str(checkpoint)!r}, dtype='float32')\n"

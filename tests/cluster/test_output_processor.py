@@ -7,12 +7,12 @@ import pytest
 
 from warpspec import LLM, SamplingParams
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET
-from warpspec.core_messages import RequestDelta
-from warpspec.output_processor import OutputProcessor
+from warpspec.core.messages import RequestDelta
+from warpspec.core.requests import NewRequest
+from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.outputs import Logprob
-from warpspec.random_checkpoint import create_random_checkpoint
-from warpspec.requests import NewRequest
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 PROMPT = [1, 40, 41]
 

@@ -19,7 +19,7 @@ HOLD_CLUSTER = textwrap.dedent("""
 JOIN_AND_GENERATE = textwrap.dedent("""
     import sys, ray
     from warpspec import LLM, SamplingParams
-    from warpspec.random_checkpoint import create_random_checkpoint
+    from warpspec.training.random_checkpoint import create_random_checkpoint
     path = create_random_checkpoint(sys.argv[1], "tiny")
     with LLM(str(path), num_workers=2) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]

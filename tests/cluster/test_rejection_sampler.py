@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from warpspec.keyed_random import KeyedRandom, Purpose
-from warpspec.rejection_sampler import verify, verify_batch
-from warpspec.sampler import sample, sample_from, sampling_probs
+from warpspec.sample.keyed_random import KeyedRandom, Purpose
+from warpspec.sample.rejection_sampler import verify, verify_batch
+from warpspec.sample.sampler import sample, sample_from, sampling_probs
 from warpspec.sampling_params import SamplingParams
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from warpspec import SamplingParams
-from warpspec.keyed_random import KeyedRandom
-from warpspec.sampler import apply_top_k_top_p, sample
+from warpspec.sample.keyed_random import KeyedRandom
+from warpspec.sample.sampler import apply_top_k_top_p, sample
 
 # Upper 0.1% points of the chi-square distribution (df = categories - 1): a correct sampler fails
 # one of these checks about once in a thousand runs, and the seeds below are fixed.
@@ -55,7 +55,7 @@ def test_greedy_rows_ignore_randomness_beside_sampled_rows():
 
 
 def test_penalties_follow_the_openai_and_vllm_definitions():
-    from warpspec.sampler import apply_penalties
+    from warpspec.sample.sampler import apply_penalties
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
     params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from warpspec.block_manager import BlockManager, prefix_block_hashes
-from warpspec.config import SchedulerConfig
+from warpspec.config.engine import SchedulerConfig
+from warpspec.core.block_manager import BlockManager, prefix_block_hashes
+from warpspec.core.scheduler import Scheduler
+from warpspec.core.sequence import Sequence
 from warpspec.sampling_params import SamplingParams
-from warpspec.scheduler import Scheduler
-from warpspec.sequence import Sequence
 
 
 def _seq(request_id: str, prompt: list[int], prompt_logprobs: int | None = None) -> Sequence:

@@ -13,7 +13,7 @@ from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from staggered import run_staggered
 
 from warpspec import LLM, SamplingParams
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 
 BLOCK = 4
 # A crowd engine: 20 blocks of 4 tokens hold far less than the requests need at once (preemption),

@@ -12,10 +12,10 @@ import torch
 from eagle3_checkpoints import make_eagle3_checkpoint, make_speculation_draft, make_speculation_target
 
 from warpspec import LLM, SamplingParams
-from warpspec.keyed_random import KeyedRandom
-from warpspec.proposer import DraftRequest, Drafts
-from warpspec.rejection_sampler import verify
-from warpspec.remote_engine import RemoteEngine
+from warpspec.client.remote_engine import RemoteEngine
+from warpspec.sample.keyed_random import KeyedRandom
+from warpspec.sample.rejection_sampler import verify
+from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.model_config import ModelConfig

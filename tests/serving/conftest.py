@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from warpspec.random_checkpoint import create_random_checkpoint
 from warpspec.serving.serve_cli import set_serving_environment
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 # Before the session's Ray cluster starts (ray_cluster), so that its Serve processes run as `warpspec
 # serve`'s do: the proxies reach replicas over gRPC.
@@ -101,7 +101,7 @@ def serving_stack(ray_cluster, serving_checkpoint):
 @pytest.fixture(scope="session")
 def reference_llm(serving_checkpoint):
     """The in-process engine on the same checkpoint and settings: what the network must reproduce."""
-    from warpspec.llm import LLM
+    from warpspec.entrypoints.llm import LLM
 
     llm = LLM(str(serving_checkpoint), dtype=ENGINE_ARGS["dtype"], max_model_len=ENGINE_ARGS["max_model_len"],
               num_kv_blocks=ENGINE_ARGS["num_kv_blocks"])

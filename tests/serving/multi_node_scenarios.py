@@ -288,7 +288,7 @@ def _serves_on_both(stub, expected: list[int]) -> bool:
 def main(scenario: str) -> None:
     import ray
 
-    from warpspec.random_checkpoint import create_random_checkpoint
+    from warpspec.training.random_checkpoint import create_random_checkpoint
 
     checkpoint = str(create_random_checkpoint(Path(tempfile.mkdtemp(prefix="ws-mn-ckpt-")), "tiny", std=0.3))
     if scenario == "autoscaling":

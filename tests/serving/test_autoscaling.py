@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 @pytest.mark.slow
 def test_second_replica_starts_takes_traffic_and_goes(tmp_path):
     model = create_random_checkpoint(tmp_path / "model", "tiny")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run([sys.executable, "-m", "warpspec.cli", "bench", "serve", "--autoscale", "--model",
+    done = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "bench", "serve", "--autoscale", "--model",
                            str(model), "--run-dir", str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]

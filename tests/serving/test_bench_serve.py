@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from warpspec.random_checkpoint import create_random_checkpoint
 from warpspec.serving.serve_config import ServeConfig
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_bench_serve_writes_its_side_by_side_table(tmp_path):
     model = create_random_checkpoint(tmp_path / "model", "tiny")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_SERVE_PROXY_USE_GRPC", None)  # the benchmark must set it itself
-    done = subprocess.run([sys.executable, "-m", "warpspec.cli", "bench", "serve", "--model", str(model),
+    done = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "bench", "serve", "--model", str(model),
                            "--num-requests", "4", "--concurrency", "2", "--new-tokens", "4", "--repeats", "1",
                            "--run-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

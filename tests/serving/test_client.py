@@ -1,4 +1,4 @@
-"""warpspec.client and `warpspec client` against the running stack."""
+"""warpspec.cli.client and `warpspec client` against the running stack."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import grpc
 import pytest
 
-from warpspec.cli import main
-from warpspec.client import GenerationClient
+from warpspec.cli.client import GenerationClient
+from warpspec.cli.main import main
 from warpspec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_stream import Stream
 from waiting import wait_for, wait_for_async
 
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 from warpspec.sampling_params import SamplingParams

@@ -62,7 +62,7 @@ def test_speculative_greedy_is_the_same_alone_and_amid_load():
     """The bundled target and EAGLE-3 draft in one AsyncLLM: fixed prompts alone, then again while 16
     other requests of mixed lengths stream through (a quarter of them abandoned mid-stream)."""
     from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
-    from warpspec.async_llm import AsyncLLM
+    from warpspec.entrypoints.async_llm import AsyncLLM
     from warpspec.sampling_params import SamplingParams
 
     prompts = held_out_prompts()[:4]

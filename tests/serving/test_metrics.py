@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from warpspec.client import GenerationClient
+from warpspec.cli.client import GenerationClient
 
 pytestmark = pytest.mark.slow
 

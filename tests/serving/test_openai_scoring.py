@@ -11,7 +11,7 @@ import math
 import httpx2 as httpx  # the HTTP library the openai client is built on
 import pytest
 
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.sampling_params import SamplingParams
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.openai_api import build_openai_app

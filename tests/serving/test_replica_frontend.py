@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from warpspec.async_llm import AsyncLLM
+from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import EngineError, EngineOverloadedError, WorkerDiedError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.grpc_service import GenerationService

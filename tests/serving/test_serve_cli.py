@@ -17,7 +17,7 @@ import psutil
 import pytest
 import requests
 
-from warpspec.client import GenerationClient
+from warpspec.cli.client import GenerationClient
 from warpspec.serving.serve_cli import SERVE_ENVIRONMENT
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
     env.pop("RAY_ADDRESS", None)
     for name in ("RAY_SERVE_GRPC_MAX_MESSAGE_SIZE", *SERVE_ENVIRONMENT):  # warpspec serve must set them itself
         env.pop(name, None)
-    process = subprocess.Popen([sys.executable, "-m", "warpspec.cli", "serve", "--model", str(serving_checkpoint),
+    process = subprocess.Popen([sys.executable, "-m", "warpspec.cli.main", "serve", "--model", str(serving_checkpoint),
                                 "--model-name", "tiny", "--dtype", "float32", "--max-model-len", "256",
                                 "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                                 "--max-request-bytes", str(1024 * 1024),
@@ -97,7 +97,7 @@ def test_warpspec_serve_refuses_a_replica_no_node_can_hold(serving_checkpoint):
     run_dir = tempfile.mkdtemp(prefix="ws-cli-")  # short: Ray's socket paths live under it
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
-    done = subprocess.run([sys.executable, "-m", "warpspec.cli", "serve", "--model", str(serving_checkpoint),
+    done = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "serve", "--model", str(serving_checkpoint),
                            "--workers", "4", "--placement-timeout-s", "2", "--grpc-port", str(_free_port()),
                            "--http-port", str(_free_port()), "--arg", f"run_dir={run_dir}", "--arg", "num_cpus=64"],
                           env=env, capture_output=True, text=True, timeout=120)

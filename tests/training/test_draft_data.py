@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from warpspec import LLM, SamplingParams
-from warpspec.random_checkpoint import create_random_checkpoint
 from warpspec.training.draft_data import write_draft_corpus
 from warpspec.training.eagle3_trainer import read_corpus
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 def test_writes_target_continuations_the_trainer_reads(tmp_path):

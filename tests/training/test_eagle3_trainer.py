@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from warpspec import LLM, SamplingParams
-from warpspec.random_checkpoint import create_random_checkpoint
 from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig, unrolled_logits
+from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.eagle3 import Eagle3Config, Eagle3Draft
 
 

@@ -6,7 +6,7 @@ import torch
 
 from hf_checkpoints import load_reference, reference_logprobs
 from warpspec import LLM, SamplingParams
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 def test_transformers_loads_what_warpspec_writes(tmp_path):

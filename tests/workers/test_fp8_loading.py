@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.cli import main
+from warpspec.cli.main import main
 from warpspec.kernels.fp8 import FP8_DTYPE
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError

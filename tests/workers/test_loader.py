@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from warpspec.random_checkpoint import create_random_checkpoint
+from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.loader import load_model
 from warpspec.workers.model_config import ModelConfig

@@ -8,8 +8,8 @@ import logging
 
 import torch
 
-from warpspec.config import EngineConfig
-from warpspec.eagle3_proposer import Eagle3Proposer
+from warpspec.config.engine import EngineConfig
+from warpspec.spec_decode.eagle3 import Eagle3Proposer
 from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype

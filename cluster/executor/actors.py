@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import ray
 from ray.util.placement_group import PlacementGroup
 
-from warpspec.config import EngineConfig
-from warpspec.coordinator import Coordinator, ReplicaInfo
-from warpspec.core_messages import CoreInput, StepReply
+from warpspec.config.engine import EngineConfig
+from warpspec.core.messages import CoreInput, StepReply
+from warpspec.executor.coordinator import Coordinator, ReplicaInfo
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo
 
 

@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from warpspec.config import (
+from warpspec.config.engine import (
     COMM_BACKENDS,
     DISPATCH_MODES,
     EXECUTORS,

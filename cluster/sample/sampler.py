@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from warpspec.keyed_random import KeyedRandom, Purpose
 from warpspec.outputs import Logprob, PositionLogprobs
+from warpspec.sample.keyed_random import KeyedRandom, Purpose
 from warpspec.sampling_params import SamplingParams
 
 

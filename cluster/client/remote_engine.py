@@ -18,19 +18,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from warpspec.config import EngineConfig
-from warpspec.core_messages import CoreInput, RequestDelta, StepReply
-from warpspec.engine_stats import EngineStats
+from warpspec.config.engine import EngineConfig
+from warpspec.core.messages import CoreInput, RequestDelta, StepReply
+from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
+from warpspec.core.stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
-from warpspec.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.spec_stats import SpeculationStats
+from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
 
 
 class RemoteEngine:
     def __init__(self, config: EngineConfig):
-        from warpspec.ray_executor import RayExecutor
+        from warpspec.executor.ray_executor import RayExecutor
 
         self.config = config
         self.executor = RayExecutor(config)

@@ -20,23 +20,23 @@ import time
 
 import torch
 
-from warpspec.block_manager import BlockManager
-from warpspec.config import EngineConfig
-from warpspec.core_messages import RequestDelta
-from warpspec.draft_loader import load_eagle3_proposer
-from warpspec.engine_stats import EngineStats
+from warpspec.config.engine import EngineConfig
+from warpspec.core.block_manager import BlockManager
+from warpspec.core.messages import RequestDelta
+from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
+from warpspec.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from warpspec.core.sequence import Sequence
+from warpspec.core.stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
-from warpspec.executor import make_executor
-from warpspec.keyed_random import KeyedRandom
+from warpspec.executor.local import make_executor
 from warpspec.outputs import PositionLogprobs
-from warpspec.proposer import DraftRequest, Proposer
-from warpspec.rejection_sampler import verify_batch
-from warpspec.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
-from warpspec.sampler import sample, top_logprobs
+from warpspec.sample.keyed_random import KeyedRandom
+from warpspec.sample.rejection_sampler import verify_batch
+from warpspec.sample.sampler import sample, top_logprobs
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
-from warpspec.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from warpspec.sequence import Sequence
-from warpspec.spec_stats import SpeculationStats
+from warpspec.spec_decode.draft_loader import load_eagle3_proposer
+from warpspec.spec_decode.proposer import DraftRequest, Proposer
+from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
 from warpspec.workers.step import SequenceStep, StepPlan
 
@@ -353,6 +353,6 @@ def make_engine(config: EngineConfig, proposer: Proposer | None = None):
     if proposer is not None:
         raise ValueError("a proposer object runs in this process only: with Ray workers (num_workers > 1 or "
                          "executor='ray') the engine core and its draft run in the coordinator; pass draft=")
-    from warpspec.remote_engine import RemoteEngine
+    from warpspec.client.remote_engine import RemoteEngine
 
     return RemoteEngine(config)

@@ -1,6 +1,6 @@
 """A small gRPC client for a warpspec deployment, and the `warpspec client` command.
 
-    from warpspec.client import GenerationClient
+    from warpspec.cli.client import GenerationClient
 
     with GenerationClient("localhost:9000") as client:
         reply = client.generate("def main():", max_tokens=32, temperature=0.0)

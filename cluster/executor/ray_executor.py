@@ -11,24 +11,24 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
-from warpspec.config import EngineConfig
-from warpspec.coordinator import (
+from warpspec.config.engine import EngineConfig
+from warpspec.core.messages import CoreInput, StepReply
+from warpspec.errors import EngineError, WorkerDiedError
+from warpspec.executor.coordinator import (
     DispatchTiming,
     coordinator_options,
     place_workers,
     replica_gang,
     unwrap_ray_errors,
 )
-from warpspec.core_messages import CoreInput, StepReply
-from warpspec.errors import EngineError, WorkerDiedError
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 
 
 class RayExecutor:
     def __init__(self, config: EngineConfig):
-        from warpspec.actors import CoordinatorActor
-        from warpspec.ray_env import connect_ray
+        from warpspec.executor.actors import CoordinatorActor
+        from warpspec.executor.ray_env import connect_ray
 
         # Reject an impossible split from config.json alone, before Ray or any weight is touched.
         self.model_config = ModelConfig.from_pretrained(config.model)

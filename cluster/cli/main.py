@@ -6,14 +6,14 @@ import argparse
 import json
 import sys
 
-from warpspec.engine_options import add_engine_flags, engine_options_from_flags
+from warpspec.config.options import add_engine_flags, engine_options_from_flags
 from warpspec.errors import PlacementError
 from warpspec.sampling_params import InvalidRequestError
 from warpspec.workers.errors import CheckpointError
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from warpspec.llm import LLM
+    from warpspec.entrypoints.llm import LLM
     from warpspec.sampling_params import SamplingParams
 
     if (args.prompt is None) == (args.prompt_token_ids is None):
@@ -37,7 +37,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _create_checkpoint(args: argparse.Namespace) -> None:
-    from warpspec.random_checkpoint import create_random_checkpoint
+    from warpspec.training.random_checkpoint import create_random_checkpoint
 
     path = create_random_checkpoint(args.out, preset=args.preset, seed=args.seed)
     print(f"wrote a random {args.preset} Llama 4 checkpoint with tokenizer to {path}")
@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
 
     # Serving (issue 7): each command lives in its own module.
-    from warpspec.client import add_client_parser
-    from warpspec.demo import add_demo_parser
+    from warpspec.cli.client import add_client_parser
+    from warpspec.cli.demo import add_demo_parser
     from warpspec.serving.serve_cli import add_serve_parser
 
     add_serve_parser(commands)

@@ -4,7 +4,7 @@ count, execute(), and warm_up() before the first step. Ray is imported only when
 
 from __future__ import annotations
 
-from warpspec.config import EngineConfig
+from warpspec.config.engine import EngineConfig
 from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.runner import ModelRunner, StepOutput
 from warpspec.workers.step import StepPlan
@@ -33,6 +33,6 @@ def make_executor(config: EngineConfig):
     """A LocalExecutor, or a RayExecutor (ray_executor.py) when the config asks for Ray workers."""
     if not config.parallel.uses_ray:
         return LocalExecutor(config)
-    from warpspec.ray_executor import RayExecutor
+    from warpspec.executor.ray_executor import RayExecutor
 
     return RayExecutor(config)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from warpspec.core_messages import CoreInput
+from warpspec.core.messages import CoreInput
 
 
 class CoreInbox:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from warpspec.core_messages import RequestDelta
-from warpspec.keyed_random import KeyedRandom
+from warpspec.core.messages import RequestDelta
 from warpspec.outputs import PositionLogprobs
+from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sampling_params import SamplingParams
 
 

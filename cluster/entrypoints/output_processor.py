@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from warpspec.core_messages import RequestDelta
+from warpspec.core.messages import RequestDelta
+from warpspec.core.requests import NewRequest
 from warpspec.outputs import PositionLogprobs, RequestOutput
-from warpspec.requests import NewRequest
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

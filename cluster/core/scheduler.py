@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from warpspec.block_manager import BlockManager
-from warpspec.config import SchedulerConfig
-from warpspec.sequence import Sequence
+from warpspec.config.engine import SchedulerConfig
+from warpspec.core.block_manager import BlockManager
+from warpspec.core.sequence import Sequence
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from warpspec.keyed_random import KeyedRandom, Purpose
+from warpspec.sample.keyed_random import KeyedRandom, Purpose
 
 
 @dataclass

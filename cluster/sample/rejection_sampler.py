@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from warpspec.keyed_random import KeyedRandom, Purpose
-from warpspec.sampler import exponential_noise, greedy_tokens, sample_from, sampling_probs
+from warpspec.sample.keyed_random import KeyedRandom, Purpose
+from warpspec.sample.sampler import exponential_noise, greedy_tokens, sample_from, sampling_probs
 from warpspec.sampling_params import SamplingParams
 
 

@@ -28,7 +28,7 @@ draft step costs a few hundred microseconds here, and each separate graph call a
 thread switch and the Python that builds its inputs. Each step's position, slot and context length
 follow from the catch-up's inside the graph. Sampled drafts draw from per-request generators on the
 host, so they keep one graph per step. On a GPU that greedy proposal replays a CUDA graph instead
-(cluster/draft_cuda_graphs.py); everything else runs as it did, the dense halves compiled.
+(workers/draft_cuda_graphs.py); everything else runs as it did, the dense halves compiled.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from warpspec.draft_cuda_graphs import DraftGraphRunner
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
-from warpspec.proposer import DraftRequest, Drafts
-from warpspec.sampler import exponential_noise, greedy_tokens
+from warpspec.sample.sampler import exponential_noise, greedy_tokens
+from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
     THREAD_SAMPLE_SEQS,
@@ -51,6 +50,7 @@ from warpspec.workers.compiled_step import (
 )
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
 
@@ -87,7 +87,7 @@ class Eagle3Proposer:
         weight copies are made on first use, a side effect torch.compile would not keep).
         num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1.
         cuda_graphs: on a CUDA device (compiled, not deterministic), replay greedy proposals of these
-        batch sizes and lengths as CUDA graphs (cluster/draft_cuda_graphs.py)."""
+        batch sizes and lengths as CUDA graphs (workers/draft_cuda_graphs.py)."""
         c = draft.config
         self.deterministic = deterministic
         self.device = torch.device(device)

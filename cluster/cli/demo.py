@@ -32,7 +32,7 @@ class RequestFigures:
 
 def run_request(target: str, prompt: str, max_tokens: int, echo: bool) -> RequestFigures:
     """One streamed gRPC request; echo writes its text to the terminal as it arrives."""
-    from warpspec.client import GenerationClient
+    from warpspec.cli.client import GenerationClient
 
     start = time.perf_counter()
     first = None
@@ -81,7 +81,7 @@ def run_demo(args: argparse.Namespace) -> None:
     if not 1 <= args.requests <= len(prompts):
         raise ValueError(f"--requests must be in 1..{len(prompts)} (the bundled held-out prompts)")
 
-    from warpspec.ray_env import connect_ray
+    from warpspec.executor.ray_env import connect_ray
     from warpspec.serving.serve_cli import set_serving_environment, start_serving, stop_serving
 
     set_serving_environment()

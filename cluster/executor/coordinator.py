@@ -40,10 +40,10 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from warpspec.config import EngineConfig
-from warpspec.core_inbox import CoreInbox
-from warpspec.core_messages import CoreInput, StepReply
-from warpspec.engine import LLMEngine
+from warpspec.config.engine import EngineConfig
+from warpspec.core.engine_core import LLMEngine
+from warpspec.core.inbox import CoreInbox
+from warpspec.core.messages import CoreInput, StepReply
 from warpspec.errors import PlacementError, StepFailedError, WorkerDiedError
 from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
 from warpspec.workers.llama4 import check_parallel_layout
@@ -81,7 +81,7 @@ class Coordinator:
         """placement_group: one bundle per worker from first_bundle on (place_workers' own group, or
         the gang Serve placed the replica in: serving_bundles), made and removed by whoever holds this
         coordinator, so that it outlives a coordinator that dies."""
-        from warpspec.actors import ShardWorkerActor  # the actor shells import this module
+        from warpspec.executor.actors import ShardWorkerActor  # the actor shells import this module
 
         self.config = config
         self.parallel = config.parallel

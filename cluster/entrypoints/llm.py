@@ -7,12 +7,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from warpspec.engine import Prompt, make_engine
-from warpspec.engine_options import engine_config
-from warpspec.output_processor import OutputProcessor
+from warpspec.config.options import engine_config
+from warpspec.core.engine_core import Prompt, make_engine
+from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
-from warpspec.proposer import Proposer
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.spec_decode.proposer import Proposer
 
 
 class LLM:
@@ -26,9 +26,9 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", max_model_len: int | None = None,
                  proposer: Proposer | None = None, **options: Any):
-        """options: any engine option by name (warpspec.engine_options.ENGINE_OPTIONS: KV cache,
+        """options: any engine option by name (warpspec.config.options.ENGINE_OPTIONS: KV cache,
         scheduler, num_workers and the rest of the parallel layout, the draft, ...). proposer: a
-        speculative-decoding proposer of your own (warpspec.proposer.Proposer) instead of the
+        speculative-decoding proposer of your own (warpspec.spec_decode.proposer.Proposer) instead of the
         EAGLE-3 draft that `draft` names."""
         self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
         self.engine = make_engine(self.config, proposer)

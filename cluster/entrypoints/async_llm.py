@@ -23,13 +23,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from warpspec.config import EngineConfig
-from warpspec.core_messages import RequestDelta
-from warpspec.engine import Prompt, make_engine
-from warpspec.engine_options import engine_config
-from warpspec.engine_stats import EngineStats
+from warpspec.config.engine import EngineConfig
+from warpspec.config.options import engine_config
+from warpspec.core.engine_core import Prompt, make_engine
+from warpspec.core.messages import RequestDelta
+from warpspec.core.stats import EngineStats
+from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
-from warpspec.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
 from warpspec.workers.cpu_threads import in_a_passing_thread

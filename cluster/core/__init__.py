@@ -1,0 +1,2 @@
+"""The engine core: pure bookkeeping (sequences, KV blocks, the scheduler), the step that runs on an
+executor (engine_core.py), and the typed messages between the core and the front ends."""

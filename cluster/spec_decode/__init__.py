@@ -1,0 +1,2 @@
+"""Speculative decoding: the proposer interface, the EAGLE-3 proposer and its loading, and acceptance
+statistics."""
