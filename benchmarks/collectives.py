@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.comm import CommInit
+from warpspec.workers.communicators import make_communicator
 from warpspec.workers.worker import address_and_free_port
 
 BACKENDS = ("gloo", "shm")

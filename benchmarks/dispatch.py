@@ -40,10 +40,10 @@ def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch
                  run_dir: str, draft: Path | None = None) -> dict:
     with LLM(str(model), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch,
              run_dir=run_dir, draft=None if draft is None else str(draft), compile_draft=False) as llm:
-        executor = llm.engine.executor
+        coordinator = llm.engine.coordinator
         sent: list[int] = []  # bytes of each message to the core
         replies: list[tuple[float, int]] = []  # (stream lag s, bytes) per reply
-        submit, next_reply = executor.submit, executor.next_reply
+        submit, next_reply = coordinator.submit, coordinator.next_reply
 
         def timed_submit(message):
             sent.append(len(pickle.dumps(message)))
@@ -54,16 +54,16 @@ def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch
             replies.append((time.monotonic() - reply.sent_at, len(pickle.dumps(reply))))
             return reply
 
-        executor.submit, executor.next_reply = timed_submit, timed_next_reply
-        executor.record_timings()
+        coordinator.submit, coordinator.next_reply = timed_submit, timed_next_reply
+        coordinator.record_timings()
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         prompts = [[1, *range(10 + i, 26 + i)] for i in range(batch)]
         llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
-        executor.take_timings()
+        coordinator.take_timings()
         sent.clear()
         replies.clear()
         llm.generate(prompts, params)
-        timings = executor.take_timings()[1:]  # drop the prefill step: decode steps only
+        timings = coordinator.take_timings()[1:]  # drop the prefill step: decode steps only
         replies = replies[1:]  # likewise
     host = [(t.core_s - t.slowest_compute_s) * 1e3 for t in timings]
     return {

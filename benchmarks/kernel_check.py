@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from warpspec.benchmarks.timing import median_ms
-from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference
+from warpspec.kernels.attention import paged_attention_reference
+from warpspec.kernels.attention_metadata import PagedAttentionMetadata
 from warpspec.kernels.fp8 import (
     dequantize_fp8,
     fp8_linear,

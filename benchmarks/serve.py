@@ -9,7 +9,7 @@ and TTFT / TPOT p50, p90, p99; and the serving overhead (tokens/s lost, TPOT add
 interleaved over --repeats rounds (median kept): this machine's speed drifts. Writes
 runs/bench/serve.json and serve.md.
 
-`--autoscale` runs the autoscaling check instead (serving/autoscale_check.py): runs/bench/serve_autoscale.json.
+`--autoscale` runs the autoscaling check instead (benchmarks/autoscale_check.py): runs/bench/serve_autoscale.json.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class RequestOutput:
 
 def new_positions(out: RequestOutput) -> list[PositionLogprobs]:
     """The logprobs of out.new_token_ids. Counted from out.token_ids, not from the end of out.logprobs:
-    the front end (output_processor.py) appends to that list as it goes, so a consumer that reads an
+    the front end (entrypoints/output_processor.py) appends to that list as it goes, so a consumer that reads an
     output a step or two late would find later positions at its end."""
     end = len(out.token_ids)
     return out.logprobs[end - len(out.new_token_ids): end]

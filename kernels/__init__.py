@@ -2,7 +2,8 @@
 signature (kernels/triton/); `dispatch.use_triton` picks Triton for CUDA tensors."""
 
 from warpspec.kernels import batch_invariant
-from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention, write_kv_cache
+from warpspec.kernels.attention import paged_attention, write_kv_cache
+from warpspec.kernels.attention_metadata import PagedAttentionMetadata
 from warpspec.kernels.moe import moe_experts, route_topk_sigmoid
 from warpspec.kernels.norm import add_rms_norm, l2_norm, rms_norm
 from warpspec.kernels.rope import apply_rope_interleaved, rope_qk_norm

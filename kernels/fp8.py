@@ -18,11 +18,7 @@ import torch
 
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import use_triton
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3 value
-# Rows whose amax is below this (all zeros, in practice) get this amax instead of a zero scale.
-MIN_AMAX = 1e-12
+from warpspec.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 
 def quantize_fp8(x: torch.Tensor, scale_ub: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from warpspec.outputs import RequestOutput
 
 
 def run_staggered(engine, requests) -> dict[str, RequestOutput]:
-    """requests: (request id, prompt, params, the step it arrives at). Steps the LLMEngine until every
+    """requests: (request id, prompt, params, the step it arrives at). Steps the EngineCore until every
     request has finished, its deltas through an OutputProcessor as LLM does; returns each one's final
     output by id."""
     processor = OutputProcessor(engine.tokenizer, engine.abort)

@@ -17,8 +17,6 @@ import torch
 from warpspec.kernels import add_rms_norm, batch_invariant, rms_norm
 from warpspec.workers import traced_collectives
 
-BACKENDS = ("local", "gloo", "shm", "nccl")
-
 
 @dataclass
 class CommInit:
@@ -202,19 +200,3 @@ class NcclCommunicator(Communicator):
 
     def close(self) -> None:
         self.comm.destroy()
-
-
-def make_communicator(init: CommInit) -> Communicator:
-    if init.backend not in BACKENDS:
-        raise ValueError(f"unknown collective backend {init.backend!r}; use one of {', '.join(BACKENDS)}")
-    if init.world_size == 1 or init.backend == "local":
-        if init.world_size != 1:
-            raise ValueError(f"the local backend serves one rank, not {init.world_size}")
-        return Communicator()
-    if init.backend == "gloo":
-        return GlooCommunicator(init)
-    if init.backend == "shm":
-        from warpspec.workers.shm_comm import SharedMemoryCommunicator
-
-        return SharedMemoryCommunicator(init)
-    return NcclCommunicator(init)

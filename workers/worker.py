@@ -1,7 +1,8 @@
 """One rank of a model replica: joins the collective group, loads its shard, runs steps.
 
-A plain class; the Ray actor that hosts it (cluster/executor/coordinator.py) only forwards calls, so tests
-can build it in-process.
+A plain class, so tests can build it in-process. Ranks 1..N-1 run in an actor shell that only forwards
+calls (cluster/executor/actors.py); rank 0 runs inside the coordinator, in its DriverExecutor
+(cluster/executor/driver.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.comm import CommInit
+from warpspec.workers.communicators import make_communicator
 from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig

@@ -1,1 +1,24 @@
-"""How a front end reaches an engine core that runs in a coordinator actor (remote_engine.py)."""
+"""How a front end (LLM, AsyncLLM) reaches its engine core. In this process the core is its own
+client: an EngineCore over a LocalExecutor. With Ray workers the core runs in the replica's
+coordinator actor (coordinator.py), and a RayCoreClient (ray_client.py) offers the same surface
+through a CoordinatorHandle (coordinator_handle.py). Ray is imported only for that one."""
+
+from __future__ import annotations
+
+from warpspec.config.engine import EngineConfig
+from warpspec.core.engine_core import EngineCore
+from warpspec.executor.local import LocalExecutor
+from warpspec.spec_decode.proposer import Proposer
+
+
+def make_core_client(config: EngineConfig, proposer: Proposer | None = None):
+    """An EngineCore in this process, or, with Ray workers, a RayCoreClient for the core inside the
+    replica's coordinator actor."""
+    if not config.parallel.uses_ray:
+        return EngineCore(config, LocalExecutor(config), proposer)
+    if proposer is not None:
+        raise ValueError("a proposer object runs in this process only: with Ray workers (num_workers > 1 or "
+                         "executor='ray') the engine core and its draft run in the coordinator; pass draft=")
+    from warpspec.client.ray_client import RayCoreClient  # imports Ray: only a replica on Ray needs it
+
+    return RayCoreClient(config)

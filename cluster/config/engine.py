@@ -1,5 +1,5 @@
 """Engine configuration: one dataclass per concern, gathered under EngineConfig. The options users
-set by name, and the front ends that take them, are defined in engine_options.py."""
+set by name, and the front ends that take them, are defined in options.py."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class SpeculativeConfig:
     compile_draft: bool = True  # torch.compile the draft (eager, with a warning, if that fails)
     # Sampled requests: False verifies by rejection sampling (the most accepted drafts any lossless
     # scheme gets); True by Gumbel-max coupling, under which a seeded request's tokens equal its
-    # tokens without a draft, at a lower acceptance (rejection_sampler.py).
+    # tokens without a draft, at a lower acceptance (sample/rejection_sampler.py).
     coupled_verification: bool = False
 
     def __post_init__(self) -> None:

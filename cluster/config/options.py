@@ -6,7 +6,7 @@ Each front end is derived from this table, so an option reachable from one is re
 - the serve config and build_app args: ServeConfig reads them through parse_option();
 - the README's option table: options_table() (a test holds the README to it).
 
-The checks on values stay with the config dataclasses (config.py), which name the field and limit.
+The checks on values stay with the config dataclasses (engine.py), which name the field and limit.
 """
 
 from __future__ import annotations

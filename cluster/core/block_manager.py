@@ -6,7 +6,7 @@ therefore equal keys/values. Blocks nobody holds stay cached until the space is 
 least recently freed first.
 
 With an EAGLE-3 draft the block also holds the draft's KV, whose entry at the block's last position
-pairs it with the token after the block (eagle3_proposer.py). Such a block is cached under its hash
+pairs it with the token after the block (spec_decode/eagle3.py). Such a block is cached under its hash
 and that next token (key_by_next_token), so it serves only requests that continue it the same way.
 """
 

@@ -1,4 +1,4 @@
-"""The engine core's loop, as one step: schedule, run the model, sample, append, finish.
+"""The engine core's step: schedule, run the model, sample, append, finish.
 
     sched = scheduler.schedule()      # who runs, how many tokens each (CPU bookkeeping)
     out = executor.execute(plan)      # the model: in-process, or the coordinator's workers
@@ -7,16 +7,18 @@
     proposer.propose(...)             # when speculating: the next step's draft tokens
 
 A step returns token ids, never text: one RequestDelta per request that gained tokens or finished.
-Detokenization, stop strings and the outputs users see are the front end's (output_processor.py),
+Detokenization, stop strings and the outputs users see are the front end's (entrypoints/output_processor.py),
 which aborts a request here when a stop string ends it. The front ends: LLM (blocking, a batch at
-a time) and AsyncLLM (streaming, many users). With one local worker the core runs in their process;
-with Ray workers it runs inside the replica's coordinator actor (coordinator.py), and they drive it
-through remote_engine.RemoteEngine.
+a time) and AsyncLLM (streaming, many users). With one local worker the core runs in their process
+over a LocalExecutor; with Ray workers a CoreLoop (core_loop.py) steps it inside the replica's
+coordinator actor over a DriverExecutor (client/coordinator.py), and the front ends reach it through
+a RayCoreClient (client/ray_client.py). The core knows its executor only by the Executor protocol.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
@@ -28,7 +30,6 @@ from warpspec.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from warpspec.core.sequence import Sequence
 from warpspec.core.stats import EngineStats
 from warpspec.errors import EngineError, StepFailedError
-from warpspec.executor.local import make_executor
 from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify_batch
@@ -38,17 +39,33 @@ from warpspec.spec_decode.draft_loader import load_eagle3_proposer
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
+from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.runner import StepOutput
 from warpspec.workers.step import SequenceStep, StepPlan
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, proposer: Proposer | None = None, executor=None):
-        """proposer: drafts for speculative decoding; None loads the EAGLE-3 draft that config names
-        (and none without one). A given proposer speculates config.speculative.num_speculative_tokens
-        tokens whatever the config's draft. executor: where steps run (model_config, num_blocks,
-        execute, warm_up); None makes one in this process. The coordinator passes itself, to drive its workers."""
+class Executor(Protocol):
+    """Where the core's steps run (executor/local.py, executor/driver.py)."""
+    model_config: ModelConfig
+    num_blocks: int  # KV cache blocks every rank holds
+
+    def warm_up(self, aux_layer_ids: list[int]) -> None:
+        """Build any compiled step graphs, before the first step."""
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One step on every rank: rank 0's logits, and the hidden states aux_layer_ids asked for."""
+
+    def shutdown(self) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, proposer: Proposer | None = None):
+        """executor: where steps run (executor/: a LocalExecutor in this process, or the coordinator's
+        DriverExecutor over Ray workers). proposer: drafts for speculative decoding; None loads the
+        EAGLE-3 draft that config names (and none without one). A given proposer speculates
+        config.speculative.num_speculative_tokens tokens whatever the config's draft."""
         self.config = config
-        self.executor = executor if executor is not None else make_executor(config)
+        self.executor = executor
         self.model_config = self.executor.model_config
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.model)
@@ -343,16 +360,3 @@ class LLMEngine:
             seq.finish("stop", token)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
-
-
-def make_engine(config: EngineConfig, proposer: Proposer | None = None):
-    """The engine for a config: an LLMEngine in this process, or, with Ray workers, a RemoteEngine
-    that steps the engine core inside the replica's coordinator actor (remote_engine.py)."""
-    if not config.parallel.uses_ray:
-        return LLMEngine(config, proposer)
-    if proposer is not None:
-        raise ValueError("a proposer object runs in this process only: with Ray workers (num_workers > 1 or "
-                         "executor='ray') the engine core and its draft run in the coordinator; pass draft=")
-    from warpspec.client.remote_engine import RemoteEngine
-
-    return RemoteEngine(config)

@@ -7,7 +7,7 @@ core_reply_interval_ms of steps merged (StepReply.then).
 A delta carries token ids, the core's finish reason (an eos or stop token, a length limit), the
 requested logprobs and, once, what a request needs at its start (prompt logprobs, the metrics known
 at the first token) or end (metrics): no text and nothing of vocabulary or hidden size. The front
-end detokenizes, checks stop strings and builds full RequestOutputs (output_processor.py).
+end detokenizes, checks stop strings and builds full RequestOutputs (entrypoints/output_processor.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class NewRequest:
     params: SamplingParams
     seed: int  # the request's own, or one drawn from the engine's seed
     # When it arrived, by this process's perf_counter. Another process cannot read that clock: the
-    # sender replaces it with waited_s, the seconds it had waited when sent (RemoteEngine.send).
+    # sender replaces it with waited_s, the seconds it had waited when sent (RayCoreClient.send).
     arrival_time: float = field(default_factory=time.perf_counter)
     waited_s: float | None = None
 

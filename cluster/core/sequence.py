@@ -1,5 +1,5 @@
 """A request's state inside the engine core: token ids, KV progress, drafts and timings. No text: the
-front end detokenizes (output_processor.py)."""
+front end detokenizes (entrypoints/output_processor.py)."""
 
 from __future__ import annotations
 

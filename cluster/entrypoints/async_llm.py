@@ -6,7 +6,7 @@ and hands each to its request's queue:
 - in-process (one local worker), it runs the engine's steps while anything is unfinished;
 - with Ray workers the engine core steps on its own in the coordinator: the requests added and
   aborted in one turn of the event loop go to it in one fire-and-forget message, and a reader
-  thread (RemoteEngine.read_outputs) hands each step's reply to the loop. No blocking call runs on
+  thread (RayCoreClient.read_outputs) hands each step's reply to the loop. No blocking call runs on
   the event loop.
 A stop string found here aborts its request in the core: in-process at once, before the next step;
 with Ray workers in the next message, so the core may run it a step or two more, unseen.
@@ -23,10 +23,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from warpspec.client import make_core_client
 from warpspec.config.engine import EngineConfig
 from warpspec.config.options import engine_config
-from warpspec.core.engine_core import Prompt, make_engine
 from warpspec.core.messages import RequestDelta
+from warpspec.core.requests import Prompt
 from warpspec.core.stats import EngineStats
 from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
@@ -45,15 +46,15 @@ class AsyncLLM:
         if isinstance(model, EngineConfig) and options:
             raise TypeError("AsyncLLM(config) takes no options: they are the config's")
         self.config = config
-        self.engine = make_engine(config)
+        self.engine = make_core_client(config)
         self.output_processor = OutputProcessor(self.engine.tokenizer, self._abort_in_core)
         self.streams: dict[str, asyncio.Queue] = {}
         self.wakeup: asyncio.Event | None = None
         self.loop_task: asyncio.Task | None = None
         self.is_rebuilding = False
-        self.core_is_remote = config.parallel.uses_ray  # a RemoteEngine: the core steps in the coordinator
+        self.core_is_remote = config.parallel.uses_ray  # a RayCoreClient: the core steps in the coordinator
         self.is_send_scheduled = False
-        self.reader: threading.Thread | None = None  # reads the RemoteEngine's replies
+        self.reader: threading.Thread | None = None  # reads the RayCoreClient's replies
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> AsyncLLM:
@@ -93,8 +94,8 @@ class AsyncLLM:
         """(coordinator pid, worker pids) with Ray workers; (None, []) when the model runs in this process."""
         if not self.config.parallel.uses_ray:
             return None, []
-        executor = self.engine.executor
-        return await asyncio.to_thread(lambda: (executor.coordinator_pid(), executor.worker_pids()))
+        coordinator = self.engine.coordinator
+        return await asyncio.to_thread(lambda: (coordinator.coordinator_pid(), coordinator.worker_pids()))
 
     async def generate(self, prompt: Prompt, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -164,7 +165,7 @@ class AsyncLLM:
             await self._stop_loop()  # it steps the old engine
             old, self.reader = self.engine, None  # the old reader ends with the old engine's stream
             await asyncio.to_thread(old.shutdown)
-            self.engine = await in_a_passing_thread(make_engine, self.config)
+            self.engine = await in_a_passing_thread(make_core_client, self.config)
         finally:
             self.is_rebuilding = False
 

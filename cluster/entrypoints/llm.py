@@ -7,8 +7,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from warpspec.client import make_core_client
 from warpspec.config.options import engine_config
-from warpspec.core.engine_core import Prompt, make_engine
+from warpspec.core.requests import Prompt
 from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import InvalidRequestError, SamplingParams
@@ -31,7 +32,7 @@ class LLM:
         speculative-decoding proposer of your own (warpspec.spec_decode.proposer.Proposer) instead of the
         EAGLE-3 draft that `draft` names."""
         self.config = engine_config(model, dtype=dtype, max_model_len=max_model_len, **options)
-        self.engine = make_engine(self.config, proposer)
+        self.engine = make_core_client(self.config, proposer)
         self.output_processor = OutputProcessor(self.engine.tokenizer, self._abort_in_core)
         self._next_request = 0
 

@@ -8,7 +8,7 @@ string ends a request, it aborts it in the core so that its KV blocks free befor
                  stop=["lo"] matches in "Hello": text "Hel", token_ids [5, 7]; 9 is dropped
                  abort_in_core(request_id)                    # the core has not finished it
 
-Every front end uses one: LLM, AsyncLLM in-process, and AsyncLLM / LLM over RemoteEngine, whose core
+Every front end uses one: LLM, AsyncLLM in-process, and AsyncLLM / LLM over RayCoreClient, whose core
 in the coordinator then sends no text.
 """
 
@@ -120,7 +120,7 @@ class RequestState:
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, abort_in_core: Callable[[str], None]):
-        """abort_in_core: drops a request from the engine core (LLMEngine.abort, or RemoteEngine.abort
+        """abort_in_core: drops a request from the engine core (EngineCore.abort, or RayCoreClient.abort
         and a send), for the requests a stop string ends before the core does."""
         self.tokenizer = tokenizer
         self.abort_in_core = abort_in_core

@@ -1,2 +1,3 @@
-"""Where steps run: one rank in this process (local.py), or a coordinator actor with rank 0 and
-worker actors for ranks 1..N-1 on Ray (coordinator.py, actors.py, ray_executor.py, ray_env.py)."""
+"""Where steps run: one rank in this process (local.py), or rank 0 inside the coordinator actor
+driving worker actors for ranks 1..N-1 on Ray (driver.py, actors.py), placed as one gang
+(placement.py) on the cluster that ray_env.py connects to."""

@@ -1,6 +1,6 @@
-"""Where steps run: in this process (one worker) or on a Ray replica (a coordinator and N workers,
-ray_executor.py). The engine sees the same three things from both: the model config, the KV block
-count, execute(), and warm_up() before the first step. Ray is imported only when a replica needs it."""
+"""One rank in this process: the executor of an engine core that runs in the front end's process. The
+core sees the same things from it as from the coordinator's DriverExecutor over Ray workers (driver.py):
+the model config, the KV block count, execute(), and warm_up() before the first step."""
 
 from __future__ import annotations
 
@@ -27,12 +27,3 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self.runner = None
-
-
-def make_executor(config: EngineConfig):
-    """A LocalExecutor, or a RayExecutor (ray_executor.py) when the config asks for Ray workers."""
-    if not config.parallel.uses_ray:
-        return LocalExecutor(config)
-    from warpspec.executor.ray_executor import RayExecutor
-
-    return RayExecutor(config)

@@ -34,7 +34,7 @@ def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: 
     position of sequence i's first draft. Returns per sequence the 1..k_i + 1 tokens to append: the
     accepted drafts, then the correction or bonus token.
 
-    Every draw is keyed by its request's seed and the position it decides (keyed_random.py), so
+    Every draw is keyed by its request's seed and the position it decides (keyed_random.py, beside this file), so
     seeded requests stay reproducible whatever else is verified beside them and however many drafts
     a step verifies."""
     if all(p.is_greedy for p in params):

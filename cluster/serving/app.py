@@ -25,7 +25,7 @@ from ray.serve.config import RequestRouterConfig
 
 from warpspec.config.engine import ParallelConfig
 from warpspec.config.options import engine_config
-from warpspec.executor.coordinator import check_gang_fits, serving_bundles
+from warpspec.executor.placement import check_gang_fits, serving_bundles
 from warpspec.serving.deployment import WarpspecServer
 from warpspec.serving.serve_config import ServeConfig
 

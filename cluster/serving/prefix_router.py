@@ -8,7 +8,7 @@ one keys warpspec's own requests (gRPC GenerateRequest: token ids or text) and k
 the router itself: each proxy and each DeploymentHandle routes with what it has seen.
 
 Keys follow the replicas' prefix cache: a prompt of token ids is cut into 16-token blocks, each named
-by a hash chained over the blocks before it (block_manager.py names KV blocks the same way), so two
+by a hash chained over the blocks before it (core/block_manager.py names KV blocks the same way), so two
 prompts share key i exactly when their first 16 * (i + 1) tokens agree. A text prompt is cut into
 64-character pieces instead. Requests without a prompt in their arguments (HTTP requests, whose body
 the proxy has not read when it routes) are routed by power of two choices, as without this router.

@@ -57,7 +57,7 @@ class ServeConfig:
     api_key_file: str | None = None
     max_request_bytes: int = 16 * MIB  # one gRPC message / HTTP body (limits.py)
     max_prompt_bytes: int = 4 * MIB  # prompt text, UTF-8
-    engine: dict[str, Any] = field(default_factory=dict)  # engine options (engine_options.py) for AsyncLLM
+    engine: dict[str, Any] = field(default_factory=dict)  # engine options (config/options.py) for AsyncLLM
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -1,6 +1,6 @@
 """The proposer interface of speculative decoding: after each target step, bring the proposer up to
 date on the positions the target kept and ask it for the next draft tokens of every decoding sequence.
-EAGLE-3 is one implementation (eagle3_proposer.py); it runs beside the engine, wherever the engine
+EAGLE-3 is one implementation (eagle3.py); it runs beside the engine core, wherever the core
 runs (the caller's process with one worker, the coordinator actor with Ray workers; draft_loader.py
 loads it for both). n-gram or MTP proposers fit behind the same methods.
 """
@@ -19,7 +19,7 @@ from warpspec.sample.keyed_random import KeyedRandom, Purpose
 class DraftRequest:
     request_id: str
     # The tokens at positions first_position + 1 ... first_position + num_positions: the draft reads the
-    # target's features at p with the token at p + 1 (see eagle3_proposer.py).
+    # target's features at p with the token at p + 1 (see eagle3.py).
     token_ids: list[int]
     first_position: int  # the first position the target computed (and kept) this step
     feature_start: int  # the row of first_position among the step's tokens (its aux hidden states)
@@ -27,7 +27,7 @@ class DraftRequest:
     block_table: list[int]
     temperature: float  # 0: greedy drafts
     random: KeyedRandom = field(repr=False)  # the request's own: seeded requests reproduce in any batch
-    # Coupled verification (rejection_sampler.py): propose with the noise the target samples with.
+    # Coupled verification (sample/rejection_sampler.py): propose with the noise the target samples with.
     coupled: bool = False
 
     @property

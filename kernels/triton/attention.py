@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from warpspec.kernels import batch_invariant
-from warpspec.kernels.attention import PagedAttentionMetadata
+from warpspec.kernels.attention_metadata import PagedAttentionMetadata
 
 TILE = 32  # tokens per step of the walk
 SPLIT_TOKENS = 512  # a context is split only into pieces at least this long

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from warpspec.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from warpspec.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
 BLOCK_MAX = 4096
 

@@ -227,7 +227,7 @@ def test_step_failed_error_crosses_processes_intact():
 def test_requests_cancelled_by_ray_lose_no_message_to_the_engine_core(ray_cluster, checkpoint):
     """Serve cancels a replica's request with ray.cancel, which also cancels every Ray task that
     request submitted and that has not run yet. The replica's fire-and-forget message to the core
-    (RemoteEngine.send) once ran in the context of the request that woke it: cancelling a request
+    (RayCoreClient.send) once ran in the context of the request that woke it: cancelling a request
     right after it arrived could take the message with it, carrying other requests' adds, and the
     core then waited for that message number forever (seen in `warpspec bench load`: 1 ms deadlines).
     Here an async actor stands in for the replica, and its requests are cancelled as Serve does."""

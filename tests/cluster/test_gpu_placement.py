@@ -7,7 +7,7 @@ from __future__ import annotations
 from ray.util.placement_group import PlacementGroup
 
 from warpspec.config.options import engine_config
-from warpspec.executor.coordinator import coordinator_options, worker_resources
+from warpspec.executor.placement import coordinator_options, worker_resources
 
 
 def test_on_gpus_the_coordinator_takes_bundle_0s_whole_gpu_draft_or_not():

@@ -89,7 +89,7 @@ def test_four_workers_with_uneven_experts_vocabulary_and_replicated_kv_heads(ray
     with LLM(str(path), dtype="float32") as llm:
         expected = llm.generate(_prompts(), PARAMS)
     with LLM(str(path), dtype="float32", num_workers=4, moe_parallel=moe_parallel) as llm:
-        infos = llm.engine.executor.info.workers
+        infos = llm.engine.coordinator.info.workers
         assert_same_outputs(llm.generate(_prompts(), PARAMS), expected)
     sizes = [info.param_bytes for info in infos]
     if moe_parallel == "expert":  # 5 experts over 4 ranks: 2, 1, 1, 1
@@ -108,7 +108,7 @@ def test_each_worker_reads_and_holds_only_its_shard(ray_cluster, tmp_path):
         replicated = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
                          if name.endswith(("norm.weight", "router.weight")))
     with LLM(str(path), dtype="float32", num_workers=2) as llm:
-        infos = llm.engine.executor.info.workers
+        infos = llm.engine.coordinator.info.workers
     expected = (whole - replicated) / 2 + replicated
     for info in infos:
         assert info.bytes_read == info.param_bytes  # read from the file exactly what it keeps
@@ -121,12 +121,12 @@ def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
     num_layers = 4
     with LLM(str(checkpoint), dtype="float32", num_workers=2) as llm:
         # The core steps on its own, ahead of the caller: count over a whole request, in its steps.
-        executor = llm.engine.executor
-        executor.record_timings()
-        before = executor.num_collectives()
+        coordinator = llm.engine.coordinator
+        coordinator.record_timings()
+        before = coordinator.num_collectives()
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        after = executor.num_collectives()
-        num_steps = len(executor.take_timings())
+        after = coordinator.num_collectives()
+        num_steps = len(coordinator.take_timings())
     assert num_steps == 3  # a prefill step and two decode steps, each a forward with the same collectives
     assert [a - b for a, b in zip(after, before, strict=True)] == [num_steps * (2 * num_layers + 2)] * 2
 
@@ -142,12 +142,12 @@ def test_compiled_steps_over_two_workers_match_single_process(ray_cluster, check
     num_layers = 4
     with LLM(str(checkpoint), dtype="float32", num_workers=2, enforce_eager=False, run_dir=str(tmp_path),
              comm_backend=comm_backend) as llm:
-        assert [info.comm_backend for info in llm.engine.executor.info.workers] == [joined] * 2
+        assert [info.comm_backend for info in llm.engine.coordinator.info.workers] == [joined] * 2
         assert_same_outputs(llm.generate(_prompts(), PARAMS), single_process)
-        executor = llm.engine.executor
-        before = executor.num_collectives()
+        coordinator = llm.engine.coordinator
+        before = coordinator.num_collectives()
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-        after = executor.num_collectives()
+        after = coordinator.num_collectives()
     assert [a - b for a, b in zip(after, before, strict=True)] == [2 * num_layers + 2] * 2
 
 
@@ -210,11 +210,11 @@ def test_the_coordinator_keeps_step_timings_only_when_asked(ray_cluster, checkpo
     """A replica runs for months: the coordinator used to keep one DispatchTiming per step forever."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with LLM(str(checkpoint), dtype="float32", num_workers=1, executor="ray") as llm:
-        executor = llm.engine.executor
+        coordinator = llm.engine.coordinator
         llm.generate([[1, 2, 3]], params)
-        assert executor.take_timings() == []
-        executor.record_timings()
+        assert coordinator.take_timings() == []
+        coordinator.record_timings()
         llm.generate([[1, 2, 3]], params)
-        timings = executor.take_timings()
+        timings = coordinator.take_timings()
         assert len(timings) == 6 and all(t.wall_s >= t.slowest_compute_s > 0 for t in timings)  # prefill + 5 decodes
-        assert executor.take_timings() == []  # taken, not kept
+        assert coordinator.take_timings() == []  # taken, not kept

@@ -12,7 +12,7 @@ import torch
 from eagle3_checkpoints import make_eagle3_checkpoint, make_speculation_draft, make_speculation_target
 
 from warpspec import LLM, SamplingParams
-from warpspec.client.remote_engine import RemoteEngine
+from warpspec.client.ray_client import RayCoreClient
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
@@ -178,7 +178,7 @@ def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
     hold only shards); the replica gets token ids back."""
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_workers=2) as llm:
-        assert isinstance(llm.engine, RemoteEngine) and llm.engine.executor.info.draft_aux_layer_ids
+        assert isinstance(llm.engine, RayCoreClient) and llm.engine.coordinator.info.draft_aux_layer_ids
         outs = llm.generate(_prompts(), GREEDY)
         assert llm.engine.spec_stats.num_verify_steps > 0
         # A seeded sampled request is reproducible whatever else is in its batch, with the drafts

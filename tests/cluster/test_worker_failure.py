@@ -27,7 +27,7 @@ def test_killed_worker_fails_generation_within_seconds(ray_cluster, tmp_path):
     path = make_text_checkpoint(tmp_path / "ckpt", max_position_embeddings=4096)
     cpus_before = free_cpus(ray_cluster)
     llm = LLM(str(path), dtype="float32", num_workers=2)
-    pids = llm.engine.executor.worker_pids()
+    pids = llm.engine.coordinator.worker_pids()
     result: dict = {}
 
     def generate() -> None:
@@ -71,7 +71,7 @@ def test_killed_coordinator_fails_generation_and_shutdown_releases_its_placement
     groups_before, cpus_before = live_groups(), free_cpus(ray_cluster)
     llm = LLM(str(path), dtype="float32", num_workers=2)
     assert live_groups() == groups_before + 1
-    worker_pids, coordinator_pid = llm.engine.executor.worker_pids(), llm.engine.executor.coordinator_pid()
+    worker_pids, coordinator_pid = llm.engine.coordinator.worker_pids(), llm.engine.coordinator.coordinator_pid()
     os.kill(coordinator_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     with pytest.raises(WorkerDiedError, match="coordinator died"):

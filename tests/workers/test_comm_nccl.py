@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from warpspec.kernels import add_rms_norm
-from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.comm import CommInit
+from warpspec.workers.communicators import make_communicator
 
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                     reason="needs 2 CUDA GPUs")

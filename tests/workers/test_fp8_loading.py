@@ -255,7 +255,7 @@ def test_two_ranks(ray_cluster, checkpoint, fp8_checkpoint, moe_parallel):
         expected = llm.generate(prompts(), PARAMS)
     with LLM(str(fp8_checkpoint), dtype="float32", num_workers=2, moe_parallel=moe_parallel) as llm:
         sharded = llm.generate(prompts(), PARAMS)
-        workers = llm.engine.executor.info.workers
+        workers = llm.engine.coordinator.info.workers
     assert [o.token_ids for o in sharded] == [o.token_ids for o in expected]
     assert max_prompt_logprob_gap(sharded, expected) < 1e-4  # only the reduction order differs
     if moe_parallel == "expert":

@@ -14,7 +14,8 @@ import pytest
 import torch
 from rank_processes import rank_partial, run_two_ranks
 
-from warpspec.workers.comm import CollectiveError, CommInit, make_communicator
+from warpspec.workers.comm import CollectiveError, CommInit
+from warpspec.workers.communicators import make_communicator
 from warpspec.workers.shm_comm import shared_memory_available
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs an x86-64 host with /dev/shm")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from rank_processes import rank_partial, run_two_ranks
 
-from warpspec.workers.comm import CommInit, make_communicator
+from warpspec.workers.comm import CommInit
+from warpspec.workers.communicators import make_communicator
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.shm_comm import shared_memory_available
 

@@ -1,9 +1,9 @@
-"""The engine as the replica sees it when the engine core runs in the coordinator actor (Ray workers).
+"""The engine core as the replica sees it when the core runs in the coordinator actor (Ray workers).
 
-Same surface as LLMEngine for LLM and AsyncLLM (new_request, add_request, abort, has_unfinished,
+Same surface as EngineCore for LLM and AsyncLLM (new_request, add_request, abort, has_unfinished,
 step, stats), but the core steps on its own: the requests added and aborted go to the coordinator
 as they come (send(), fire-and-forget), and each step's new tokens come back on one long-lived
-stream (core_messages.py). step() reads the next reply, blocking; for AsyncLLM, read_outputs() reads
+stream (core/messages.py). step() reads the next reply, blocking; for AsyncLLM, read_outputs() reads
 them in a thread of its own and hands each step's outputs to the event loop.
 Requests are validated and tokenized here, so a bad one never reaches the core. The replies carry
 token ids, no text: the front end's OutputProcessor detokenizes them, as for a core in its process.
@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from warpspec.client.coordinator_handle import CoordinatorHandle
 from warpspec.config.engine import EngineConfig
 from warpspec.core.messages import CoreInput, RequestDelta, StepReply
 from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
@@ -28,24 +29,22 @@ from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
 
 
-class RemoteEngine:
+class RayCoreClient:
     def __init__(self, config: EngineConfig):
-        from warpspec.executor.ray_executor import RayExecutor
-
         self.config = config
-        self.executor = RayExecutor(config)
-        self.model_config = self.executor.model_config
+        self.coordinator = CoordinatorHandle(config)
+        self.model_config = self.coordinator.model_config
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
-                                          self.max_model_len, self.executor.num_blocks, config.cache.block_size,
+                                          self.max_model_len, self.coordinator.num_blocks, config.cache.block_size,
                                           config.seed)
         self.requests: set[str] = set()  # added and not yet finished or aborted
         self.pending_adds: list[NewRequest] = []  # not yet sent to the core
         self.pending_aborts: list[str] = []
         self.num_sent = 0  # CoreInputs sent: the next one's number
         self.failure: EngineError | None = None  # what ended the core's stream: every later read raises it
-        self.core_stats = EngineStats(self.executor.num_blocks, self.executor.num_blocks, 0, 0, 0.0, 0.0)
+        self.core_stats = EngineStats(self.coordinator.num_blocks, self.coordinator.num_blocks, 0, 0, 0.0, 0.0)
         self.spec_stats = SpeculationStats()
 
     # ---- requests -------------------------------------------------------------------------------
@@ -93,7 +92,7 @@ class RemoteEngine:
             return
         now = time.perf_counter()  # queue time and TTFT count from the arrival here
         adds = [dataclasses.replace(r, waited_s=now - r.arrival_time) for r in self.pending_adds]
-        self.executor.submit(CoreInput(self.num_sent, adds, self.pending_aborts))
+        self.coordinator.submit(CoreInput(self.num_sent, adds, self.pending_aborts))
         self.num_sent += 1
         self.pending_adds, self.pending_aborts = [], []
 
@@ -102,7 +101,7 @@ class RemoteEngine:
         it reports (StepFailedError), after dropping every failed request."""
         self.send()
         with self._core_failure_ends_every_request():
-            reply = self.executor.next_reply()
+            reply = self.coordinator.next_reply()
         outputs, failures = self._take(reply)
         if failures:
             raise failures[0]
@@ -130,7 +129,7 @@ class RemoteEngine:
         def read() -> None:
             while True:
                 try:
-                    reply = self.executor.next_reply()
+                    reply = self.coordinator.next_reply()
                 except Exception as e:  # noqa: BLE001 - handed to the loop, which fails the streams
                     with contextlib.suppress(RuntimeError):  # the loop closed first: nobody is waiting
                         loop.call_soon_threadsafe(end, e)
@@ -173,4 +172,4 @@ class RemoteEngine:
         return deltas, reply.failures
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.coordinator.shutdown()

@@ -1,7 +1,7 @@
-"""The executor of a replica on Ray: its coordinator actor (which runs the engine core and holds rank
-0), the worker actors of ranks 1..N-1 it drives, and their placement group. RemoteEngine sends the
-core its requests (submit, fire-and-forget) and reads the core's replies from one stream
-(next_reply); the rest is what operators and benchmarks ask of a replica: step timings, process ids."""
+"""The replica's handle on its coordinator actor (coordinator.py: the engine core and rank 0) and the
+placement group of its ranks. RayCoreClient sends the core its requests through it (submit,
+fire-and-forget) and reads the core's replies from one stream (next_reply); the rest is what
+operators and benchmarks ask of a replica: step timings, process ids."""
 
 from __future__ import annotations
 
@@ -11,25 +11,19 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
+from warpspec.client.coordinator import CoordinatorActor
 from warpspec.config.engine import EngineConfig
 from warpspec.core.messages import CoreInput, StepReply
 from warpspec.errors import EngineError, WorkerDiedError
-from warpspec.executor.coordinator import (
-    DispatchTiming,
-    coordinator_options,
-    place_workers,
-    replica_gang,
-    unwrap_ray_errors,
-)
+from warpspec.executor.driver import DispatchTiming
+from warpspec.executor.placement import coordinator_options, place_workers, replica_gang
+from warpspec.executor.ray_env import connect_ray, unwrap_ray_errors
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 
 
-class RayExecutor:
+class CoordinatorHandle:
     def __init__(self, config: EngineConfig):
-        from warpspec.executor.actors import CoordinatorActor
-        from warpspec.executor.ray_env import connect_ray
-
         # Reject an impossible split from config.json alone, before Ray or any weight is touched.
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, config.parallel.num_workers, config.parallel.moe_parallel)

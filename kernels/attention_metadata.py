@@ -1,0 +1,80 @@
+"""What a paged-attention kernel reads about a step's batch besides the tensors themselves: built once a
+step, reused by every layer, and shared by the torch reference (attention.py) and the Triton kernel
+(triton/attention.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+class PagedAttentionMetadata:
+    def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 block_size: int, max_query_len: int, max_seq_len: int, num_tokens: int | None = None,
+                 is_uniform: bool = False):
+        """query_start_loc [num_seqs + 1]; seq_lens [num_seqs] (tokens in cache, this step's
+        included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]. num_tokens: the step's
+        token count when the caller knows it (reading query_start_loc[-1] would wait for the GPU,
+        which a CUDA graph capture forbids). is_uniform: every sequence has max_query_len new tokens,
+        so the queries reshape into [num_seqs, max_query_len] with no gather or boolean mask (whose
+        data-dependent shape a compiled step cannot keep in one graph)."""
+        self.query_start_loc = query_start_loc
+        self.query_lens = query_start_loc[1:] - query_start_loc[:-1]
+        self.num_tokens = int(query_start_loc[-1]) if num_tokens is None else num_tokens
+        self.seq_lens = seq_lens
+        self.block_tables = block_tables
+        self.block_size = block_size
+        self.max_query_len = max_query_len
+        self.max_seq_len = max_seq_len
+        self.is_uniform = is_uniform or max_query_len == 1  # one query per sequence is uniform too
+        self._padded: dict[str, torch.Tensor] | None = None
+        self.masks: dict[int | None, torch.Tensor] = {}
+
+    # What the Triton kernel needs instead of the padded views, built on first use (the reference
+    # never needs them): each token's sequence and position.
+    # query_lens [2, 1], seq_lens [7, 4] -> token_seq [0, 0, 1], token_pos [5, 6, 3].
+    @functools.cached_property
+    def token_seq(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.seq_lens), device=self.seq_lens.device),
+                                       self.query_lens, output_size=self.num_tokens)
+
+    @functools.cached_property
+    def token_pos(self) -> torch.Tensor:
+        token_offset = (torch.arange(self.num_tokens, device=self.seq_lens.device)
+                        - self.query_start_loc[:-1][self.token_seq])
+        return (self.seq_lens - self.query_lens)[self.token_seq] + token_offset
+
+    def padded(self) -> dict[str, torch.Tensor]:
+        """The reference's padded views, built on first use (the Triton kernel never needs them)."""
+        if self._padded is None:
+            device = self.seq_lens.device
+            # Pad the ragged queries into [num_seqs, max_query_len]: seq 0 with 2 queries, seq 1 with
+            # 1 -> rows [[t0, t1], [t2, pad]].
+            q_offsets = torch.arange(self.max_query_len, device=device)
+            kv_positions = torch.arange(self.max_seq_len, device=device)
+            self._padded = {
+                "is_real_query": q_offsets[None, :] < self.query_lens[:, None],
+                "token_index": (self.query_start_loc[:-1, None] + q_offsets[None, :]).clamp(
+                    max=max(self.num_tokens - 1, 0)),
+                "q_positions": (self.seq_lens - self.query_lens)[:, None] + q_offsets[None, :],
+                "kv_positions": kv_positions,
+                # Each sequence's cache slots in position order, through its block table.
+                "slots": (self.block_tables.long()[:, kv_positions // self.block_size] * self.block_size
+                          + kv_positions % self.block_size),
+            }
+        return self._padded
+
+    def mask(self, chunk_size: int | None) -> torch.Tensor:
+        """[num_seqs, 1, max_query_len, max_seq_len] bool: causal, and for chunked layers within the
+        query's chunk (positions 0..c-1 form chunk 0, c..2c-1 chunk 1, ...)."""
+        if chunk_size not in self.masks:
+            padded = self.padded()
+            kv, q = padded["kv_positions"][None, None, :], padded["q_positions"][:, :, None]
+            allowed = kv <= q
+            if chunk_size is not None:
+                allowed &= (kv // chunk_size) == (q // chunk_size)
+            # Padding queries attend to position 0 so their softmax stays finite; they are dropped.
+            allowed |= ~padded["is_real_query"][:, :, None] & (padded["kv_positions"] == 0)[None, None, :]
+            self.masks[chunk_size] = allowed[:, None, :, :]
+        return self.masks[chunk_size]
