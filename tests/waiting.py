@@ -26,3 +26,13 @@ async def wait_for_async(predicate, timeout_s: float, what: str):
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         await asyncio.sleep(0.01)
     return value
+
+
+def free_cpus(ray) -> float:
+    return ray.available_resources().get("CPU", 0)
+
+
+def wait_for_cpus(ray, free_before: float, timeout_s: float = 10) -> None:
+    """Until the CPUs free before a test are free again: what it placed is released. Compared with the
+    count before, not the cluster's 8: other suites' actors (a serving replica) may hold some throughout."""
+    wait_for(lambda: free_cpus(ray) >= free_before, timeout_s, f"{free_before:g} free CPUs")

@@ -4,7 +4,7 @@ gRPC or HTTP, the status it must get, and a fragment of the message naming the f
 INTERNAL / 500 or leak a traceback; afterwards the replica is healthy, holds no request or KV block,
 and still answers a normal request exactly as the in-process engine does.
 
-The Python entry points and the loader have their matrix in tests/cluster/test_bad_inputs_python.py."""
+The Python entry points and the loader have their matrix in tests/entrypoints/test_bad_inputs_python.py."""
 
 from __future__ import annotations
 

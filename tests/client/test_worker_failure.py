@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from test_sharded import free_cpus, wait_for_cpus
+from waiting import free_cpus, wait_for_cpus
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from waiting import wait_for
+from waiting import free_cpus, wait_for_cpus
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
@@ -194,16 +194,6 @@ def test_placement_that_cannot_be_satisfied_times_out(ray_cluster, checkpoint):
     finally:
         remove_placement_group(hog)
     wait_for_cpus(ray_cluster, free)
-
-
-def free_cpus(ray) -> float:
-    return ray.available_resources().get("CPU", 0)
-
-
-def wait_for_cpus(ray, free_before: float, timeout_s: float = 10) -> None:
-    """Until the CPUs free before a test are free again: what it placed is released. Compared with the
-    count before, not the cluster's 8: other suites' actors (a serving replica) may hold some throughout."""
-    wait_for(lambda: free_cpus(ray) >= free_before, timeout_s, f"{free_before:g} free CPUs")
 
 
 def test_the_coordinator_keeps_step_timings_only_when_asked(ray_cluster, checkpoint):
