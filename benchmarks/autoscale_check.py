@@ -90,10 +90,10 @@ def run_autoscale_check(model_dir: str | Path, concurrency: int = 8, max_tokens:
     import ray
     from ray import serve
 
+    from warpspec.executor.ray_env import start_local_ray
     from warpspec.serving.serve_cli import free_local_port, start_serving
 
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-scale-"),
-             log_to_driver=False)
+    start_local_ray(tempfile.mkdtemp(prefix="ws-scale-"), num_cpus=4)
     load = None
     try:
         grpc_port = free_local_port()

@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Unix socket paths under the temp dir must stay short.
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-route-"), log_to_driver=False)
+    from warpspec.executor.ray_env import start_local_ray
+
+    start_local_ray(tempfile.mkdtemp(prefix="ws-route-"), num_cpus=4)
     from warpspec.serving.serve_cli import free_local_port
 
     prompts = workload(args.openings, args.opening_prompts, args.requests)

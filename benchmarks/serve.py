@@ -120,7 +120,6 @@ def grpc_runner(stub, new_tokens: int) -> RunOne:
 
 def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, stream_gap_ms: float = 0.0,
                  run_dir: str = "runs") -> str:
-    import ray
 
     from warpspec.serving.serve_cli import free_local_port, set_serving_environment, start_serving
 
@@ -131,7 +130,9 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, s
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     parent = Path(run_dir).resolve() if len(str(Path(run_dir).resolve())) <= 30 else None
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir=parent)
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    from warpspec.executor.ray_env import start_local_ray
+
+    start_local_ray(temp_dir, num_cpus=4)
     port, http_port = free_local_port(), free_local_port()
     start_serving({"model": str(model_dir), "num_cpus": REPLICA_CPUS, "stream_interval": stream_interval,
                    "stream_gap_ms": stream_gap_ms,

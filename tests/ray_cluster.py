@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 RUN_DIR = Path(__file__).resolve().parent.parent / "runs"
+SESSION_FOLDER: list[Path] = []  # the folder the shared cluster was started in
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,9 @@ def ray_cluster():
     if len(str(temp_dir)) > 50:
         temp_dir = Path(tempfile.mkdtemp(prefix="ws-ray-"))
     temp_dir.mkdir(parents=True, exist_ok=True)
-    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(temp_dir), log_to_driver=False)
+    from warpspec.executor.ray_env import start_local_ray
+
+    start_local_ray(temp_dir, num_cpus=8)
+    SESSION_FOLDER.append(temp_dir)
     yield ray
     ray.shutdown()

@@ -39,16 +39,20 @@ from warpspec.kernels import PagedAttentionMetadata
 from warpspec.workers.cpu_threads import torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig, uniform_query_len
 from warpspec.workers.step import SequenceStep, StepInput
+from warpspec.workers.torch_internals import (
+    cached_graphs,
+    compile_with_inductor,
+    inductor_default_cache_dir,
+    mark_dynamic,
+)
 
 
 def use_compile_cache(run_dir: str | Path) -> None:
     """Keep inductor's compiled code under run_dir, so a restart loads it instead of compiling again
     (unless the environment already names a cache). Inductor writes its own default into the
     environment once anything in the process has compiled: that one does not count as named."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
     named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if named is None or Path(named).resolve() == Path(default_cache_dir()).resolve():
+    if named is None or Path(named).resolve() == Path(inductor_default_cache_dir()).resolve():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir, "inductor").resolve())
 
 
@@ -93,12 +97,10 @@ class CountedInductor:
         self.compiler = weakref.ref(compiler)
 
     def __call__(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
         compiler = self.compiler()
         if compiler is not None:
             compiler.num_compiles += 1
-        return compile_fx(graph_module, example_inputs, config_patches=INDUCTOR_PATCHES)
+        return compile_with_inductor(graph_module, example_inputs, INDUCTOR_PATCHES)
 
 
 class CountingCompiler:
@@ -149,14 +151,12 @@ class CountingCompiler:
     def _keep_direct_call(self, graph: Hashable, args: tuple) -> None:
         """The code of the cached graph whose guards pass for args (in the caller's global state:
         threads, inference mode), as a function called like fn, for graph's calls after the seal."""
-        try:
-            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-        except ImportError:  # a torch without it: every call through torch.compile
+        graphs = cached_graphs(self.code)
+        if graphs is None:  # a torch without the cache-entry API: every call through torch.compile
             return
         fn, owner = getattr(self.fn, "__func__", self.fn), getattr(self.fn, "__self__", None)
         frame_locals = inspect.signature(fn).bind(*(() if owner is None else (owner,)), *args).arguments
-        code = next((entry.code for entry in _debug_get_cache_entry_list(self.code)
-                     if entry.guard_manager.check(dict(frame_locals))), None)
+        code = next((graph.code for graph in graphs if graph.guards_pass(dict(frame_locals))), None)
         if (code is None or any(name.startswith("__resume_at") for name in code.co_names)
                 or len(code.co_freevars) != len(fn.__closure__ or ())):
             return
@@ -165,11 +165,8 @@ class CountingCompiler:
     def owns_every_graph(self) -> bool:
         """Whether every graph dynamo holds for this code was built by this instance (what its own
         copy of the code guarantees; tests hold it)."""
-        try:
-            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-        except ImportError:  # a torch without it: check every guard
-            return False
-        return len(_debug_get_cache_entry_list(self.code)) == self.num_compiles
+        graphs = cached_graphs(self.code)
+        return graphs is not None and len(graphs) == self.num_compiles
 
 
 def widen_block_tables(block_tables: torch.Tensor) -> torch.Tensor:
@@ -185,8 +182,8 @@ def mark_step_dynamic(per_batch: tuple[torch.Tensor, ...], block_tables: torch.T
     fixed; the block count grows with the context."""
     if num_seqs > 1:
         for tensor in per_batch:
-            torch._dynamo.mark_dynamic(tensor, 0)
-    torch._dynamo.mark_dynamic(block_tables, 1)
+            mark_dynamic(tensor, 0)
+    mark_dynamic(block_tables, 1)
 
 
 class CompiledStepRunner:

@@ -1,5 +1,14 @@
-"""Connecting to Ray (an existing cluster when RAY_ADDRESS is set, otherwise a local one), and the
-errors of remote calls unwrapped to the ones users should see."""
+"""Connecting to Ray (an existing cluster when RAY_ADDRESS is set, otherwise a local one), the errors
+of remote calls unwrapped to the ones users should see, and the one place Ray's private APIs are used.
+
+Checked against ray 2.60.0 (RAY_CHECKED); tests/executor/test_ray_env.py fails, naming the API, when
+an upgrade changes one:
+- `ray.init(_temp_dir=...)`: the only way to put a local cluster's session files (and its Unix
+  sockets, whose paths must stay short) in a folder of the caller's; every ray.init that starts a
+  cluster goes through start_local_ray.
+- `ray._private.state.actors()`: every actor's state and node. Its public twin,
+  ray.util.state.list_actors, needs the dashboard, which warpspec does not start.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,23 @@ from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+
+RAY_CHECKED = "2.60.0"
+
+
+def start_local_ray(temp_dir: str | Path, num_cpus: int, include_dashboard: bool = False,
+                    address: str | None = None) -> None:
+    """Start a local Ray cluster (address="local": a new one even when another runs on this machine)
+    keeping its session files under temp_dir, reporting no usage statistics, logging nothing to this
+    process."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(address=address, num_cpus=num_cpus, include_dashboard=include_dashboard, _temp_dir=str(temp_dir),
+             log_to_driver=False)
+
+
+def live_actors() -> list[dict]:
+    """The cluster's live actors: each with its "ActorClassName" and its "Address"'s "NodeID"."""
+    return [actor for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]
 
 
 def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False, num_cpus: int = 8) -> None:
@@ -19,12 +45,11 @@ def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False, n
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         return
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     temp_dir = Path(run_dir, "ray").resolve()
     temp_dir.mkdir(parents=True, exist_ok=True)
     # Oversubscribe small machines: a 2-core box still hosts a coordinator and a few workers.
-    ray.init(num_cpus=max(num_cpus, os.cpu_count() or 1), include_dashboard=include_dashboard, _temp_dir=str(temp_dir),
-             log_to_driver=False)
+    start_local_ray(temp_dir, max(num_cpus, os.cpu_count() or 1), include_dashboard)
+
 
 def unwrap_ray_errors(call):
     """Run call; re-raise the user-facing error a remote task raised (CheckpointError, ValueError, ...)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+from warpspec.serving.serve_internals import ChoiceHookRouter
 
 TOKENS_PER_KEY = 16  # the default KV block size: whole blocks are what a replica's prefix cache reuses
 CHARS_PER_KEY = 64
@@ -58,7 +59,7 @@ def prefix_keys(pending_request: PendingRequest | None) -> list[int]:
     return keys
 
 
-class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
+class PrefixAffinityRouter(ChoiceHookRouter):
     def initialize_state(self, max_keys: int = 200_000, max_queue_gap: int = 4) -> None:
         """max_keys: prefix keys remembered (least recently routed forgotten first). max_queue_gap:
         the replica holding a prefix is passed over when its queue is longer than the shortest
@@ -88,17 +89,13 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         own = cache.get(replica_id)
         return own is not None and bool(lengths) and own - min(lengths) > self.max_queue_gap
 
-    async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
-                                          is_retry: bool = False) -> RunningReplica:
-        """Serve's own choice, remembered. (The public hook, on_request_routed, fires only when
-        RAY_SERVE_ENABLE_STRICT_MAX_ONGOING_REQUESTS is set, so the choice is taken here.)"""
-        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+    def on_replica_chosen(self, pending_request: PendingRequest, replica: RunningReplica) -> None:
+        """Serve's own choice, remembered (serve_internals.py says why it is taken there)."""
         for key in prefix_keys(pending_request):
             self.owner[key] = replica.replica_id
             self.owner.move_to_end(key)
         while len(self.owner) > self.max_keys:
             self.owner.popitem(last=False)
-        return replica
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -53,6 +53,7 @@ from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
+from warpspec.workers.torch_internals import mark_dynamic
 
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
 
@@ -101,7 +102,7 @@ class Eagle3Proposer:
                                      dtype=draft.fc.dtype, device=device)
         # Its block count grows with scratch blocks (_with_scratch): symbolic in the compiled steps,
         # which would otherwise be built again at every growth.
-        torch._dynamo.mark_dynamic(draft.kv_cache, 1)
+        mark_dynamic(draft.kv_cache, 1)
         self.catch_up_len = num_speculative_tokens + 1
         self.decode_compiler: CountingCompiler | None = None
         self.compiled_decode: CompiledWithFallback | None = None
@@ -375,7 +376,7 @@ class Eagle3Proposer:
             with torch.inference_mode(False):
                 grown = cache.new_zeros(cache.shape[0], num_needed, *cache.shape[2:])
                 grown[:, : cache.shape[1]] = cache
-            torch._dynamo.mark_dynamic(grown, 1)
+            mark_dynamic(grown, 1)
             self.draft.kv_cache = grown
         return tables, next_scratch
 

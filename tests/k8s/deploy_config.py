@@ -16,11 +16,12 @@ import ray
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ray import serve
-from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeDeploySchema
 
+from warpspec.executor.ray_env import start_local_ray
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as rpc
+from warpspec.serving.serve_internals import serve_start
 
 
 def main(config_path: str, http_port: int, grpc_port: int, temp_dir: str) -> dict:
@@ -36,7 +37,7 @@ def main(config_path: str, http_port: int, grpc_port: int, temp_dir: str) -> dic
                 app["args"][key] = str(repo / app["args"][key])
     schema = ServeDeploySchema.model_validate(config)
     # address="local": a new cluster even when another is running on this machine.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    start_local_ray(temp_dir, num_cpus=4, address="local")
     try:
         client = serve_start(http_options=schema.http_options.model_dump(),
                              grpc_options=schema.grpc_options.model_dump())

@@ -69,7 +69,7 @@ def start_autoscaling_cluster(max_nodes: int):
     set_serving_environment()
 
     gcs_port = free_local_port()
-    gcs_address = f"{ray._private.services.get_node_ip_address()}:{gcs_port}"
+    gcs_address = f"{ray.util.get_node_ip_address()}:{gcs_port}"
     no_commands = {name: [] for name in ("initialization_commands", "setup_commands", "head_setup_commands",
                                          "worker_setup_commands", "head_start_ray_commands",
                                          "worker_start_ray_commands")}
@@ -111,14 +111,13 @@ def serve_app(checkpoint: str, **args) -> int:
 
 def actors_by_node() -> dict[str, dict[str, int]]:
     """Live actors per node id: {node: {class name: count}}."""
-    import ray
+    from warpspec.executor.ray_env import live_actors
 
     out: dict[str, dict[str, int]] = {}
-    for actor in ray._private.state.actors().values():
-        if actor["State"] == "ALIVE":
-            node = out.setdefault(actor["Address"]["NodeID"], {})
-            name = actor["ActorClassName"].split(":")[0]
-            node[name] = node.get(name, 0) + 1
+    for actor in live_actors():
+        node = out.setdefault(actor["Address"]["NodeID"], {})
+        name = actor["ActorClassName"].split(":")[0]
+        node[name] = node.get(name, 0) + 1
     return out
 
 

@@ -21,7 +21,7 @@ def test_metrics_on_the_ray_metrics_endpoint(ray_cluster, serving_stack):
     with GenerationClient(serving_stack.grpc_target, timeout=30) as client:
         for _ in range(2):
             client.generate("def main():", max_tokens=4, temperature=0.0)
-    port = ray_cluster._private.worker.global_worker.node.metrics_export_port
+    port = next(n["MetricsExportPort"] for n in ray_cluster.nodes() if n["Alive"])
     deadline, missing = time.monotonic() + 30, EXPECTED
     while missing and time.monotonic() < deadline:  # exported every few seconds
         try:

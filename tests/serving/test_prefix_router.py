@@ -28,7 +28,7 @@ def _as_routed(*args) -> SimpleNamespace:
 
 
 def test_keys_name_whole_16_token_blocks_chained_over_the_ones_before():
-    from ray.serve._private.common import gRPCRequest
+    from warpspec.serving.serve_internals import gRPCRequest
 
     a, b = list(range(3, 40)), list(range(3, 35)) + [99, 98, 97, 96, 95]  # agree on their first 32 tokens
     keys_a = prefix_keys(_as_routed(_request(a)))

@@ -12,7 +12,6 @@ import weakref
 
 import pytest
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
@@ -21,6 +20,7 @@ from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
+from warpspec.workers.torch_internals import inductor_default_cache_dir
 
 BLOCK = 4
 SHAPES = CudaGraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 4), max_model_len=64)
@@ -279,7 +279,7 @@ def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(t
     use_compile_cache(tmp_path / "a")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "a" / "inductor").resolve())
     # Inductor's own default, written once anything compiled, is not a choice: the run folder wins.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache_dir())
     use_compile_cache(tmp_path / "b")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "b" / "inductor").resolve())
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))

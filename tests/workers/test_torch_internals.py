@@ -1,0 +1,65 @@
+"""Each private torch API of workers/torch_internals.py still does what warpspec relies on, on the
+installed torch: an upgrade that moves or changes one fails here, by name, not deep in a step."""
+
+import os
+
+import torch
+
+from warpspec.workers import torch_internals
+from warpspec.workers.torch_internals import (
+    cached_graphs,
+    compile_with_inductor,
+    inductor_default_cache_dir,
+    mark_dynamic,
+)
+
+
+def affine(x):
+    return x * 2 + 1
+
+
+def test_inductor_names_its_default_cache_folder():
+    folder = inductor_default_cache_dir()
+    assert isinstance(folder, str) and os.path.isabs(folder), folder
+
+
+def test_inductor_compiles_as_a_function_and_dynamo_shows_the_graphs_code_and_guards(tmp_path, monkeypatch):
+    """On a code object of its own (the graphs of `affine` elsewhere in the process do not count)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fn = type(affine)(affine.__code__.replace(), affine.__globals__, "affine")
+    built = []
+
+    def backend(graph_module, example_inputs):
+        built.append(graph_module)
+        return compile_with_inductor(graph_module, example_inputs, {})
+
+    compiled = torch.compile(fn, backend=backend, dynamic=False)
+    x = torch.arange(4.0)
+    assert torch.equal(compiled(x), affine(x)) and len(built) == 1
+
+    graphs = cached_graphs(fn.__code__)
+    assert graphs is not None, f"torch {torch.__version__} lacks dynamo's cache-entry API " \
+                               f"(checked against {torch_internals.TORCH_CHECKED})"
+    assert len(graphs) == 1
+    (graph,) = graphs
+    assert graph.guards_pass({"x": torch.zeros(4)}) and not graph.guards_pass({"x": torch.zeros(5)})
+    # Dynamo's code for the frame, called like fn, runs the compiled graph.
+    direct = type(fn)(graph.code, fn.__globals__, "affine", None, None)
+    assert torch.equal(direct(torch.ones(4)), affine(torch.ones(4)))
+
+
+def test_a_size_marked_dynamic_serves_every_length_from_one_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    fn = type(affine)(affine.__code__.replace(), affine.__globals__, "affine")
+    built = []
+
+    def backend(graph_module, example_inputs):
+        built.append(graph_module)
+        return graph_module.forward  # the traced graph, run as it is: only the count matters here
+
+    compiled = torch.compile(fn, backend=backend, dynamic=False)
+    for length in (3, 6):
+        x = torch.arange(float(length))
+        mark_dynamic(x, 0)
+        assert torch.equal(compiled(x), affine(x))
+    assert len(built) == 1, f"{len(built)} graphs for 2 lengths: mark_dynamic no longer keeps the size symbolic"

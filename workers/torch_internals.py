@@ -1,0 +1,62 @@
+"""The private torch APIs warpspec uses, in one place, each with why no public API serves.
+
+Checked against torch 2.13.0 (TORCH_CHECKED). tests/workers/test_torch_internals.py calls each one on
+the installed torch and fails, naming it, when an upgrade moves or changes it.
+
+- inductor's default cache folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir):
+  inductor writes it into TORCHINDUCTOR_CACHE_DIR itself once anything has compiled, and
+  use_compile_cache must tell that from a folder a user named.
+- inductor as a function (torch._inductor.compile_fx.compile_fx): a backend that counts the graphs
+  it builds has to call inductor itself; torch.compile(backend="inductor") counts nothing.
+- dynamo's cache entries for a code object (torch._dynamo.eval_frame._debug_get_cache_entry_list,
+  each with .code and .guard_manager.check): the code dynamo made for each graph, and the guards
+  that pick it, so that a step calls its graph's code directly (compiled_step.CountingCompiler).
+  torch has no public handle on a compiled graph's code; vLLM's compiled models read it the same way.
+- torch._dynamo.mark_dynamic: a size to keep symbolic in a graph compiled with dynamic=False. It is
+  the documented way (torch.compile's dynamic-shapes guide), but torch.compiler does not export it.
+
+Left outside: kernels/fp8.py calls torch._scaled_mm on FP8 GPUs (the kernels import nothing above
+them). torch 2.13 has a public torch.nn.functional.scaled_mm; moving to it wants a GPU to check.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+TORCH_CHECKED = "2.13.0"
+
+
+def inductor_default_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
+
+
+def compile_with_inductor(graph_module, example_inputs, config_patches: dict):
+    """What torch.compile's inductor backend does with a graph dynamo captured, with config_patches."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(graph_module, example_inputs, config_patches=config_patches)
+
+
+def mark_dynamic(tensor, dim: int) -> None:
+    import torch._dynamo
+
+    torch._dynamo.mark_dynamic(tensor, dim)
+
+
+@dataclass
+class CachedGraph:
+    code: types.CodeType  # dynamo's code for the frame: guards passed, it runs the graph
+    guards_pass: Callable[[dict], bool]  # called with the frame's locals by name
+
+
+def cached_graphs(code: types.CodeType) -> list[CachedGraph] | None:
+    """The graphs dynamo holds for code, newest first; None on a torch without the cache-entry API."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:
+        return None
+    return [CachedGraph(entry.code, entry.guard_manager.check) for entry in _debug_get_cache_entry_list(code)]
