@@ -189,9 +189,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def alive_actors() -> int:
-    import ray
+    from warpspec.executor.ray_env import live_actors
 
-    return sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
+    return len(live_actors())
 
 
 def live_placement_groups() -> int:
@@ -227,10 +227,15 @@ def deploy(name: str, model: str, engine_args: dict, stream_interval: int):
     from ray import serve
 
     from warpspec.serving.deployment import WarpspecServer
+    from warpspec.serving.serve_config import ServeConfig
 
+    # Every step's tokens streamed at once (no stream gap), and a short drain: what this benchmark has
+    # always measured with.
+    config = ServeConfig(model, engine=engine_args, stream_interval=stream_interval, stream_gap_ms=0.0,
+                         drain_timeout_s=5.0)
     app = WarpspecServer.options(name=f"{name}-server", ray_actor_options={"num_cpus": 1},
                                  max_ongoing_requests=1024)
-    return serve.run(app.bind(model, engine_args, None, True, stream_interval), name=name, route_prefix=f"/{name}")
+    return serve.run(app.bind(config.replica_settings()), name=name, route_prefix=f"/{name}")
 
 
 def run_deployment(name: str, target: str, model: str, engine_args: dict, args: argparse.Namespace,
@@ -338,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ws-load-"), log_to_driver=False)
+    from warpspec.executor.ray_env import start_local_ray
+
+    start_local_ray(tempfile.mkdtemp(prefix="ws-load-"), num_cpus=8)
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 

@@ -9,9 +9,9 @@ _PUBLIC = {
     "LLM": "warpspec.entrypoints.llm",
     "Logprob": "warpspec.outputs",
     "RequestOutput": "warpspec.outputs",
-    "InvalidRequestError": "warpspec.sampling_params",
+    "InvalidRequestError": "warpspec.errors",
     "SamplingParams": "warpspec.sampling_params",
-    "CheckpointError": "warpspec.workers.errors",
+    "CheckpointError": "warpspec.errors",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,14 +1,28 @@
-"""Errors the engine raises when its workers cannot do the work (as opposed to bad requests)."""
+"""Every error warpspec raises to its users, in one place:
+- requests refused at the boundary, before anything is queued (InvalidRequestError and its kinds);
+- the engine unable to do the work (EngineError: dead workers, no placement, a full queue, a
+  draining replica), and a step that failed for its own requests only (StepFailedError).
+A checkpoint that cannot be loaded raises workers.errors.CheckpointError (the workers import nothing
+of this package); it is re-exported here. The serving layer maps each to a gRPC status and an HTTP
+code (serving/wire_errors.py)."""
 
 from __future__ import annotations
 
+from warpspec.workers.errors import CheckpointError
+
+__all__ = ["CheckpointError", "EngineError", "EngineOverloadedError", "InvalidRequestError", "NotFoundError",
+           "PlacementError", "ReplicaDrainingError", "RequestTooLargeError", "StepFailedError",
+           "UnauthenticatedError", "WorkerDiedError"]
+
+
+# ---- the engine cannot do the work -------------------------------------------------------------
 
 class EngineError(RuntimeError):
     """The replica could not run a step; in-flight requests fail with this."""
 
 
 class WorkerDiedError(EngineError):
-    pass
+    """A worker or the coordinator of the replica died: the replica must be rebuilt."""
 
 
 class PlacementError(EngineError):
@@ -17,6 +31,10 @@ class PlacementError(EngineError):
 
 class EngineOverloadedError(EngineError):
     """The waiting queue is full; the request was not accepted."""
+
+
+class ReplicaDrainingError(EngineError):
+    """The replica is shutting down (scale-down, redeploy): the request belongs on another replica."""
 
 
 class StepFailedError(RuntimeError):
@@ -35,3 +53,21 @@ class StepFailedError(RuntimeError):
 
     def __reduce__(self):  # crosses from the coordinator to the replica intact
         return type(self), (self.request_ids, str(self))
+
+
+# ---- requests refused at the boundary -----------------------------------------------------------
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before it touches the batch; the message names the field."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """A request body or message over max_request_bytes (HTTP 413; gRPC INVALID_ARGUMENT, not retryable)."""
+
+
+class UnauthenticatedError(PermissionError):
+    """The request carried no API key, or a wrong one."""
+
+
+class NotFoundError(LookupError):
+    """A request named a model (OpenAI API) or a service (gRPC health) this deployment does not serve."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from warpspec.errors import InvalidRequestError
+
 # Caps on what one request may ask for. Every step scans each running request's stop strings against
 # its new text, so their number and length bound the per-token cost a client can impose.
 MAX_LOGPROBS = 20
@@ -16,9 +18,6 @@ MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes at most 64 bits
 # the distribution is one-hot long before it, so such a request is sampled greedily instead.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
-
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before it touches the batch; the message names the field."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The step message to ranks 1..N-1: deltas against a batch each rank keeps, not the whole step.
+"""The step message to ranks 1..N-1: updates to a batch each rank keeps, not the whole step.
 
 A rank learns a request's block table once, then only the blocks appended to it; each step names the
 scheduled requests by a small slot number with their new tokens. The rank rebuilds the StepInput
@@ -6,9 +6,9 @@ itself. A decode step of 8 sequences is then ~130 bytes whatever the context len
 StepInput carries every block table again (a Maverick context of 4,096 tokens is 256 block ids per
 sequence, per step).
 
-    coordinator: BatchMirror.delta(plan) -> StepDelta --msgpack--> rank r: PersistentBatch.apply -> StepInput
+    coordinator: BatchMirror.update(plan) -> BatchUpdate --msgpack--> rank r: PersistentBatch.apply -> StepInput
 
-The mirror must know what every rank holds, so a step that failed anywhere makes the next delta a
+The mirror must know what every rank holds, so a step that failed anywhere makes the next update a
 reset that sends the scheduled requests' tables whole.
 """
 
@@ -23,7 +23,7 @@ VERSION = 1  # of the message layout; a rank refuses another
 
 
 @dataclass
-class StepDelta:
+class BatchUpdate:
     block_size: int
     # [slot, num_cached, token_ids, logits_from] per scheduled sequence, in the step's order.
     seqs: list[list] = field(default_factory=list)
@@ -38,7 +38,7 @@ class StepDelta:
         return wire.encode({f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> StepDelta:
+    def from_bytes(cls, data: bytes) -> BatchUpdate:
         message = wire.decode(data)
         if message.get("version") != VERSION:
             raise ValueError(f"step message version {message.get('version')!r}; this worker reads version "
@@ -54,16 +54,16 @@ class _Sent:
 
 
 class BatchMirror:
-    """The coordinator's record of what ranks 1..N-1 hold, and the delta that brings them to a plan."""
+    """The coordinator's record of what ranks 1..N-1 hold, and the update that brings them to a plan."""
 
     def __init__(self):
         self.sent: dict[str, _Sent] = {}
         self.free_slots: list[int] = []
         self.needs_reset = False
 
-    def delta(self, seqs: list[SequenceStep], block_size: int, aux_layer_ids: list[int],
-              left_request_ids: list[str]) -> StepDelta:
-        delta = StepDelta(block_size, aux_layer_ids=list(aux_layer_ids), reset=self.needs_reset)
+    def update(self, seqs: list[SequenceStep], block_size: int, aux_layer_ids: list[int],
+              left_request_ids: list[str]) -> BatchUpdate:
+        update = BatchUpdate(block_size, aux_layer_ids=list(aux_layer_ids), reset=self.needs_reset)
         if self.needs_reset:
             self.sent.clear()
             self.free_slots.clear()
@@ -71,7 +71,7 @@ class BatchMirror:
         for request_id in left_request_ids:
             sent = self.sent.pop(request_id, None)
             if sent is not None:
-                delta.forget.append(sent.slot)
+                update.forget.append(sent.slot)
                 self.free_slots.append(sent.slot)
         for seq in seqs:
             sent = self.sent.get(seq.request_id)
@@ -82,10 +82,10 @@ class BatchMirror:
                 # A request that lost its blocks (preempted) comes back with a new table: send it whole.
                 sent.table, sent.num_sent = seq.block_table, 0
             if len(seq.block_table) > sent.num_sent:
-                delta.tables.append([sent.slot, sent.num_sent, seq.block_table[sent.num_sent:]])
+                update.tables.append([sent.slot, sent.num_sent, seq.block_table[sent.num_sent:]])
                 sent.num_sent = len(seq.block_table)
-            delta.seqs.append([sent.slot, seq.num_cached, seq.token_ids, seq.logits_from])
-        return delta
+            update.seqs.append([sent.slot, seq.num_cached, seq.token_ids, seq.logits_from])
+        return update
 
 
 class PersistentBatch:
@@ -94,12 +94,12 @@ class PersistentBatch:
     def __init__(self):
         self.tables: dict[int, list[int]] = {}
 
-    def apply(self, delta: StepDelta) -> StepInput:
-        if delta.reset:
+    def apply(self, update: BatchUpdate) -> StepInput:
+        if update.reset:
             self.tables.clear()
-        for slot in delta.forget:
+        for slot in update.forget:
             self.tables.pop(slot, None)
-        for slot, start, blocks in delta.tables:
+        for slot, start, blocks in update.tables:
             if start == 0:
                 self.tables[slot] = list(blocks)
                 continue
@@ -110,10 +110,10 @@ class PersistentBatch:
                                  f"appends from block {start}")
             table.extend(blocks)
         seqs = []
-        for slot, num_cached, token_ids, logits_from in delta.seqs:
+        for slot, num_cached, token_ids, logits_from in update.seqs:
             table = self.tables.get(slot)
-            if table is None or len(table) * delta.block_size < num_cached + len(token_ids):
+            if table is None or len(table) * update.block_size < num_cached + len(token_ids):
                 raise ValueError(f"step message out of step: slot {slot} has no table covering "
                                  f"{num_cached + len(token_ids)} tokens")
             seqs.append(SequenceStep(token_ids, num_cached, table, logits_from))
-        return StepInput.build(seqs, delta.block_size, delta.aux_layer_ids)
+        return StepInput.build(seqs, update.block_size, update.aux_layer_ids)

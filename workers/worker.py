@@ -18,7 +18,7 @@ from warpspec.workers.communicators import make_communicator
 from warpspec.workers.compiled_step import use_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
-from warpspec.workers.persistent_batch import PersistentBatch, StepDelta
+from warpspec.workers.persistent_batch import BatchUpdate, PersistentBatch
 from warpspec.workers.runner import ModelRunner, StepOutput
 from warpspec.workers.step import StepInput
 
@@ -66,15 +66,15 @@ class ShardWorker:
                           report.param_bytes, self.config.comm.backend)
 
     def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
-        """Encoded StepDelta -> (compute seconds, encoded StepOutput). The delta brings this rank's
+        """Encoded BatchUpdate -> (compute seconds, encoded StepOutput). The update brings this rank's
         persistent batch to the step (persistent_batch.py). The time travels beside the payload so
         the coordinator need not decode it to read the time."""
         with self.comm.failing_together():
-            output = self.runner.execute(self.batch.apply(StepDelta.from_bytes(step_bytes)))
+            output = self.runner.execute(self.batch.apply(BatchUpdate.from_bytes(step_bytes)))
         return output.compute_s, output.to_bytes()
 
     def execute_step(self, step: StepInput) -> StepOutput:
-        """Rank 0's part of a step, run in the coordinator (which plans the batch: no delta)."""
+        """Rank 0's part of a step, run in the coordinator (which plans the batch: no update)."""
         with self.comm.failing_together():
             return self.runner.execute(step)
 

@@ -7,8 +7,7 @@ import json
 import sys
 
 from warpspec.config.options import add_engine_flags, engine_options_from_flags
-from warpspec.errors import PlacementError
-from warpspec.sampling_params import InvalidRequestError
+from warpspec.errors import InvalidRequestError, PlacementError
 from warpspec.workers.errors import CheckpointError
 
 

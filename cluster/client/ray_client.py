@@ -23,8 +23,8 @@ from warpspec.config.engine import EngineConfig
 from warpspec.core.messages import CoreInput, RequestDelta, StepReply
 from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.core.stats import EngineStats
-from warpspec.errors import EngineError, StepFailedError
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
+from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
 

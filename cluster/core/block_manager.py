@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 
 class OutOfBlocksError(RuntimeError):
-    pass
+    """Not enough free blocks for an allocation: the scheduler preempts instead (never a user's error)."""
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:

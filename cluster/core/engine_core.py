@@ -29,12 +29,12 @@ from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve
 from warpspec.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.core.sequence import Sequence
 from warpspec.core.stats import EngineStats
-from warpspec.errors import EngineError, StepFailedError
+from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
 from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify_batch
 from warpspec.sample.sampler import sample, top_logprobs
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.draft_loader import load_eagle3_proposer
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats

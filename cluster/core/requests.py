@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.errors import InvalidRequestError
+from warpspec.sampling_params import SamplingParams
 from warpspec.tokenizer import Tokenizer
 
 Prompt = str | list[int]

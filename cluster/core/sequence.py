@@ -12,6 +12,7 @@ from warpspec.core.messages import RequestDelta
 from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sampling_params import SamplingParams
+from warpspec.spec_decode.stats import speculation_metrics
 
 
 @dataclass
@@ -66,11 +67,7 @@ class Sequence:
             metrics["queue_time_s"] = self.first_scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             metrics["time_to_first_token_s"] = self.first_token_time - self.arrival_time
-        if self.num_verify_steps:
-            # Tokens gained per target step that verified drafts: accepted drafts plus the bonus.
-            metrics["acceptance_length"] = (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
-            metrics["draft_tokens"] = self.num_draft_tokens
-            metrics["accepted_draft_tokens"] = self.num_accepted_tokens
+        metrics.update(speculation_metrics(self.num_verify_steps, self.num_draft_tokens, self.num_accepted_tokens))
         if self.finish_time is not None and self.first_token_time is not None and len(self.output_token_ids) > 1:
             metrics["time_per_output_token_s"] = (self.finish_time - self.first_token_time) / (
                 len(self.output_token_ids) - 1

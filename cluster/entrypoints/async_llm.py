@@ -30,9 +30,9 @@ from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import Prompt
 from warpspec.core.stats import EngineStats
 from warpspec.entrypoints.output_processor import OutputProcessor
-from warpspec.errors import EngineError, EngineOverloadedError, StepFailedError
+from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, StepFailedError
 from warpspec.outputs import RequestOutput
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.workers.cpu_threads import in_a_passing_thread
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,9 @@ from warpspec.client import make_core_client
 from warpspec.config.options import engine_config
 from warpspec.core.requests import Prompt
 from warpspec.entrypoints.output_processor import OutputProcessor
+from warpspec.errors import InvalidRequestError
 from warpspec.outputs import RequestOutput
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.proposer import Proposer
 
 

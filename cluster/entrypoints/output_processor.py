@@ -20,6 +20,7 @@ from collections.abc import Callable
 from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import NewRequest
 from warpspec.outputs import PositionLogprobs, RequestOutput
+from warpspec.spec_decode.stats import speculation_metrics
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -99,11 +100,8 @@ class RequestState:
                 metrics["time_per_output_token_s"] = tpot * (core_tokens - 1) / (num_tokens - 1)
         else:
             metrics = dict(self.start_metrics)
-            if self.num_verify_steps:
-                num_gained = self.num_accepted_tokens + self.num_verify_steps  # accepted drafts plus the bonus
-                metrics["acceptance_length"] = num_gained / self.num_verify_steps
-                metrics["draft_tokens"] = self.num_draft_tokens
-                metrics["accepted_draft_tokens"] = self.num_accepted_tokens
+            metrics.update(speculation_metrics(self.num_verify_steps, self.num_draft_tokens,
+                                               self.num_accepted_tokens))
             if self.first_token_time is not None and num_tokens > 1:
                 metrics["time_per_output_token_s"] = (time.perf_counter() - self.first_token_time) / (num_tokens - 1)
         metrics["completion_tokens"] = num_tokens

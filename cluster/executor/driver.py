@@ -4,7 +4,7 @@ coordinator actor (client/coordinator.py), whose engine core calls execute() onc
 logits and hidden states never leave this process.
 
     engine core (same process)      DriverExecutor = rank 0                 ranks 1..N-1 (actors.py)
-    execute(StepPlan) ------------> the step as a delta (persistent_batch) --> their shards
+    execute(StepPlan) ------------> a BatchUpdate (persistent_batch.py) ---> their shards
                                     rank 0's shard, here <------collectives------> (no logits back)
     StepOutput: rank 0's logits <-- and the hidden states the draft reads
 
@@ -142,7 +142,7 @@ class DriverExecutor:
         unwrap_ray_errors(lambda: ray.get(pending))
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """The engine's executor: one step on every rank. Ranks 1..N-1 get it as a delta against the
+        """The engine's executor: one step on every rank. Ranks 1..N-1 get it as an update to the
         batch they keep (persistent_batch.py); rank 0 runs it here, meeting them in the step's
         collectives, and its logits and hidden states stay."""
         if self.is_broken:
@@ -150,13 +150,13 @@ class DriverExecutor:
         step = plan.build()
         step_bytes = b""
         if self.workers:
-            step_bytes = self.mirror.delta(plan.seqs, plan.block_size, plan.aux_layer_ids,
+            step_bytes = self.mirror.update(plan.seqs, plan.block_size, plan.aux_layer_ids,
                                            plan.left_request_ids).to_bytes()
         start = time.perf_counter()
         try:
             output, replies = self._run_step(step, step_bytes)
         except BaseException:
-            # Some rank may not have applied the delta: the next one sends the batch whole.
+            # Some rank may not have applied the update: the next one sends the batch whole.
             self.mirror.needs_reset = True
             raise
         if self.timings is not None:

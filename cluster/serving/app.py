@@ -122,6 +122,4 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         **replica_placement(config),
         **request_routing(config),
     )
-    return deployment.bind(config.model, config.engine, config.model_name, config.warmup, config.stream_interval,
-                           drain_timeout_s=config.drain_timeout_s, limits=config.limits, auth=config.auth,
-                           stream_gap_ms=config.stream_gap_ms)
+    return deployment.bind(config.replica_settings())

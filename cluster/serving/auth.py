@@ -19,12 +19,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from warpspec.errors import UnauthenticatedError
+
 API_KEY_ENV = "WARPSPEC_API_KEY"
 AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 
-
-class UnauthenticatedError(PermissionError):
-    """The request carried no API key, or a wrong one."""
 
 
 def resolve_api_key(api_key: str | None, api_key_file: str | None,

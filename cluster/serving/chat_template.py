@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from warpspec.core.engine_core import Prompt
-from warpspec.sampling_params import InvalidRequestError
+from warpspec.errors import InvalidRequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -1,5 +1,6 @@
-"""The Ray Serve deployment: one replica = one AsyncLLM (and, with num_workers > 1 or executor="ray",
-its coordinator actor and N worker actors in the replica's own placement group).
+"""The Ray Serve deployment: one replica = one AsyncLLM behind a ReplicaFrontend (and, with
+num_workers > 1 or executor="ray", its coordinator actor, which holds rank 0, and the worker actors of
+ranks 1..N-1, all in the replica's own gang: executor/placement.py's serving_bundles).
 
 Two ingresses reach it:
 - gRPC, through Serve's gRPC proxy: the proxy registers the servicers named in
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from grpc_health.v1 import health_pb2
@@ -32,12 +34,11 @@ from ray import serve
 
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
-from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.grpc_service import GenerationService
-from warpspec.serving.limits import RequestLimits
 from warpspec.serving.metrics import ReplicaStats, ServingMetrics
 from warpspec.serving.openai_api import build_openai_app
 from warpspec.serving.replica_frontend import ReplicaFrontend, ReplicaProcesses
+from warpspec.serving.serve_config import ReplicaSettings
 from warpspec.serving.wire_errors import wire_error
 
 logger = logging.getLogger("warpspec.serving")
@@ -58,6 +59,37 @@ def _set_status(grpc_context, error: BaseException) -> str:
     return wire.message
 
 
+def grpc_method(empty_reply, authorized: bool = True):
+    """A unary gRPC method of the replica: the caller's API key checked first (unless not authorized:
+    health), and any failure set as the call's status (wire_errors.py) and answered with
+    empty_reply(request)."""
+    def wrap(method):
+        @functools.wraps(method)  # Serve reads the method's own parameters (grpc_context) through it
+        async def call(self, request, grpc_context=None):
+            try:
+                if authorized:
+                    self.service.authorize(grpc_context)
+                return await method(self, request, grpc_context)
+            except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
+                _set_status(grpc_context, e)
+                return empty_reply(request)
+        return call
+    return wrap
+
+
+def grpc_stream_method(method):
+    """grpc_method for a server-streaming method: a failure sets the status and ends the stream."""
+    @functools.wraps(method)
+    async def call(self, request, grpc_context=None):
+        try:
+            self.service.authorize(grpc_context)
+            async for response in method(self, request, grpc_context):
+                yield response
+        except Exception as e:  # noqa: BLE001
+            raise GrpcStatusError(_set_status(grpc_context, e)) from None
+    return call
+
+
 def _match_threads_to_reserved_cpus() -> None:
     """Compute with as many torch threads as CPUs the replica reserved (num_cpus). Ray only sets
     OMP_NUM_THREADS when the driver had none, and a replica inheriting more threads than it reserved
@@ -72,91 +104,76 @@ def _match_threads_to_reserved_cpus() -> None:
 @serve.deployment(name="WarpspecServer")
 @serve.ingress()
 class WarpspecServer:
-    async def __init__(self, model: str, engine_options: dict, model_name: str | None = None, warmup: bool = True,
-                       stream_interval: int = 1, drain_timeout_s: float = 5.0, limits: RequestLimits | None = None,
-                       auth: ApiKeyAuth | None = None, stream_gap_ms: float = 0.0):
+    async def __init__(self, settings: ReplicaSettings):
+        """settings: ServeConfig.replica_settings (app.build_app)."""
         _match_threads_to_reserved_cpus()
-        llm = await AsyncLLM.create(model, **engine_options)
-        metrics = ServingMetrics(model_name or llm.config.model.rstrip("/").split("/")[-1])
-        self.engine = ReplicaFrontend(llm, model_name, metrics, stream_interval, stream_gap_s=stream_gap_ms / 1000)
-        self.drain_timeout_s = drain_timeout_s
-        self.limits, self.auth = limits or RequestLimits(), auth  # auth None: no API key required
-        self.service = GenerationService(self.engine, self.limits, auth)
+        llm = await AsyncLLM.create(settings.model, **settings.engine)
+        metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1])
+        self.frontend = ReplicaFrontend(llm, settings.model_name, metrics, settings.stream_interval,
+                                      stream_gap_s=settings.stream_gap_ms / 1000)
+        self.drain_timeout_s = settings.drain_timeout_s
+        self.limits, self.auth = settings.limits, settings.auth  # auth None: no API key required
+        self.service = GenerationService(self.frontend, self.limits, self.auth)
         # Sent back with every unary reply, so a client (and the autoscaling check) sees which replica served it.
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        if warmup:  # the replica counts as started (and gets traffic) only after this
-            await self.engine.warm_up()
+        if settings.warmup:  # the replica counts as started (and gets traffic) only after this
+            await self.frontend.warm_up()
         self.stats_task = asyncio.get_running_loop().create_task(self._sample_stats(metrics))
 
     async def _sample_stats(self, metrics: ServingMetrics) -> None:
         while True:
             with contextlib.suppress(Exception):  # a gauge failing to export must not stop serving
-                metrics.record_stats(self.engine.stats())
+                metrics.record_stats(self.frontend.stats())
             await asyncio.sleep(STATS_PERIOD_S)
 
     def __serve_build_asgi_app__(self):
-        return build_openai_app(self.engine, replica_id=self.replica_id, limits=self.limits, auth=self.auth)
+        return build_openai_app(self.frontend, replica_id=self.replica_id, limits=self.limits, auth=self.auth)
 
     # ---- gRPC: warpspec.v1.Generation ----------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:  # noqa: N802
         if grpc_context is not None:
             grpc_context.set_trailing_metadata([(REPLICA_METADATA_KEY, self.replica_id)])
-        try:
-            self.service.authorize(grpc_context)
-            return await self.service.generate(request)
-        except Exception as e:  # noqa: BLE001 - mapped to a status; CancelledError passes through
-            _set_status(grpc_context, e)
-            return pb.GenerateResponse(request_id=request.request_id)
+        return await self._generate(request, grpc_context)
 
+    @grpc_method(lambda request: pb.GenerateResponse(request_id=request.request_id))
+    async def _generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
+        return await self.service.generate(request)
+
+    @grpc_stream_method
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):  # noqa: N802
-        try:
-            self.service.authorize(grpc_context)
-            async for response in self.service.generate_stream(request):
-                yield response
-        except Exception as e:  # noqa: BLE001
-            raise GrpcStatusError(_set_status(grpc_context, e)) from None
+        async for response in self.service.generate_stream(request):
+            yield response
 
+    @grpc_method(lambda _: pb.TokenizeResponse())
     async def Tokenize(self, request: pb.TokenizeRequest, grpc_context=None) -> pb.TokenizeResponse:  # noqa: N802
-        try:
-            self.service.authorize(grpc_context)
-            return self.service.tokenize(request)
-        except Exception as e:  # noqa: BLE001
-            _set_status(grpc_context, e)
-            return pb.TokenizeResponse()
+        return self.service.tokenize(request)
 
+    @grpc_method(lambda _: pb.ModelInfo())
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context=None) -> pb.ModelInfo:  # noqa: N802
-        try:
-            self.service.authorize(grpc_context)
-            return self.service.model_info(request)
-        except Exception as e:  # noqa: BLE001
-            _set_status(grpc_context, e)
-            return pb.ModelInfo()
+        return self.service.model_info(request)
 
     # ---- gRPC: grpc.health.v1.Health -------------------------------------------------------------
 
+    @grpc_method(lambda _: health_pb2.HealthCheckResponse(), authorized=False)
     async def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802
                     grpc_context=None) -> health_pb2.HealthCheckResponse:
-        try:
-            return self.service.health_check(request)
-        except Exception as e:  # noqa: BLE001
-            _set_status(grpc_context, e)
-            return health_pb2.HealthCheckResponse()
+        return self.service.health_check(request)
 
     # ---- Serve hooks and admin -------------------------------------------------------------------
 
     async def check_health(self) -> None:
-        self.engine.check_health()
+        self.frontend.check_health()
 
     async def stats(self) -> ReplicaStats:
-        return self.engine.stats()
+        return self.frontend.stats()
 
     async def processes(self) -> ReplicaProcesses:
-        return await self.engine.processes()
+        return await self.frontend.processes()
 
     async def __del__(self):
         # A constructor that failed (a bad checkpoint) leaves some of these unset.
         if getattr(self, "stats_task", None) is not None:
             self.stats_task.cancel()
-        if getattr(self, "engine", None) is not None:
-            await self.engine.shutdown(self.drain_timeout_s)
+        if getattr(self, "frontend", None) is not None:
+            await self.frontend.shutdown(self.drain_timeout_s)

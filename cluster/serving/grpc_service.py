@@ -1,9 +1,10 @@
 """The warpspec.v1.Generation RPCs and the grpc.health.v1 Check, over a ReplicaFrontend.
 
 Transport-neutral: each method takes the request message and returns (or yields) the response;
-errors propagate as exceptions and `status_for` turns them into a gRPC status. The Serve deployment
-(deployment.py) calls these from methods named like the RPCs, which is how Serve's gRPC proxy
-routes: `/warpspec.v1.Generation/Generate` -> the deployment's `Generate` method.
+errors propagate as exceptions. The Serve deployment (deployment.py) calls these from methods named
+like the RPCs, which is how Serve's gRPC proxy routes (`/warpspec.v1.Generation/Generate` -> the
+deployment's `Generate` method), and its grpc_method decorator sets each error as the call's gRPC
+status (wire_errors.py).
 """
 
 from __future__ import annotations
@@ -12,20 +13,20 @@ from collections.abc import AsyncIterator
 
 from grpc_health.v1 import health_pb2
 
+from warpspec.errors import NotFoundError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.request_mapping import reject_unknown_fields, request_from_proto, response_from_output
-from warpspec.serving.wire_errors import NotFoundError
 
 # The names a health client may ask about: "" (the whole server) and the generation service.
 HEALTH_SERVICE_NAMES = ("", pb.DESCRIPTOR.services_by_name["Generation"].full_name)
 
 
 class GenerationService:
-    def __init__(self, engine: ReplicaFrontend, limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None):
-        self.engine = engine
+    def __init__(self, frontend: ReplicaFrontend, limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None):
+        self.frontend = frontend
         self.limits = limits or RequestLimits()
         self.auth = auth
 
@@ -36,17 +37,17 @@ class GenerationService:
             self.auth.check_grpc(grpc_context)
 
     async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        prompt, params = request_from_proto(request, self.engine.description.max_model_len, self.limits)
+        prompt, params = request_from_proto(request, self.frontend.description.max_model_len, self.limits)
         final = None
-        async for out in self.engine.stream(prompt, params, request.request_id or None):
+        async for out in self.frontend.stream(prompt, params, request.request_id or None):
             final = out
         return response_from_output(final, streaming=False)
 
     async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """One message per engine step that added text or tokens, the final one with usage. A client
         that cancels closes this generator, which aborts the request (AsyncLLM frees its KV)."""
-        prompt, params = request_from_proto(request, self.engine.description.max_model_len, self.limits)
-        async for out in self.engine.stream(prompt, params, request.request_id or None):
+        prompt, params = request_from_proto(request, self.frontend.description.max_model_len, self.limits)
+        async for out in self.frontend.stream(prompt, params, request.request_id or None):
             if out.new_token_ids or out.new_text or out.finished:
                 yield response_from_output(out, streaming=True)
 
@@ -54,12 +55,12 @@ class GenerationService:
         reject_unknown_fields(request, "TokenizeRequest")
         self.limits.check_request_bytes(request.ByteSize(), "TokenizeRequest")
         self.limits.check_prompt_text(request.text, "text")
-        ids, tokens = self.engine.tokenize(request.text)
+        ids, tokens = self.frontend.tokenize(request.text)
         return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
     def model_info(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
         reject_unknown_fields(request, "GetModelInfoRequest")
-        d = self.engine.description
+        d = self.frontend.description
         return pb.ModelInfo(model=d.name, model_path=d.path, max_model_len=d.max_model_len,
                             num_workers=d.num_workers, draft=d.draft or "",
                             num_speculative_tokens=d.num_speculative_tokens if d.draft else 0,
@@ -72,6 +73,6 @@ class GenerationService:
         if request.service not in HEALTH_SERVICE_NAMES:
             raise NotFoundError(f"service {request.service!r} is not served here; "
                                       f"known: {', '.join(repr(n) for n in HEALTH_SERVICE_NAMES)}")
-        status = health_pb2.HealthCheckResponse.SERVING if self.engine.failure is None \
+        status = health_pb2.HealthCheckResponse.SERVING if self.frontend.failure is None \
             else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from warpspec.sampling_params import InvalidRequestError
+from warpspec.errors import InvalidRequestError, RequestTooLargeError
 
 MIB = 1024 * 1024
 
-
-class RequestTooLargeError(InvalidRequestError):
-    """A request body or message over max_request_bytes (HTTP 413; gRPC INVALID_ARGUMENT, not retryable)."""
 
 
 @dataclass(frozen=True)

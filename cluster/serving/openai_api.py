@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from warpspec.sampling_params import InvalidRequestError
+from warpspec.errors import InvalidRequestError, NotFoundError
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.chat_template import ChatTemplate
 from warpspec.serving.limits import RequestLimits
@@ -36,7 +37,7 @@ from warpspec.serving.openai_protocol import (
     requested_model,
 )
 from warpspec.serving.replica_frontend import ReplicaFrontend
-from warpspec.serving.wire_errors import NotFoundError, wire_error
+from warpspec.serving.wire_errors import wire_error
 
 
 def error_response(error: BaseException) -> JSONResponse:
@@ -88,22 +89,32 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None = None, replica_id: str = "",
+def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | None = None, replica_id: str = "",
                      limits: RequestLimits | None = None, auth: ApiKeyAuth | None = None) -> FastAPI:
     app = FastAPI(title="warpspec", description="OpenAI-compatible API of a warpspec replica")
-    template = chat_template or ChatTemplate.from_dir(engine.description.path, engine.tokenizer)
-    model_name = engine.description.name
+    template = chat_template or ChatTemplate.from_dir(frontend.description.path, frontend.tokenizer)
+    model_name = frontend.description.name
     limits = limits or RequestLimits()
 
     def decode_token(token_id: int) -> str:
-        return engine.tokenizer.decode([token_id]) if engine.tokenizer is not None else str(token_id)
+        return frontend.tokenizer.decode([token_id]) if frontend.tokenizer is not None else str(token_id)
 
-    def authorize(request: Request) -> None:
-        if auth is not None:
-            auth.check_header(request.headers.get("authorization"))
+    def answered(authorized: bool = True):
+        """A route whose every failure becomes an OpenAI error body, the API key checked first unless
+        not authorized (health)."""
+        def wrap(route):
+            @functools.wraps(route)  # FastAPI reads the route's own parameters through it
+            async def handler(**params):
+                try:
+                    if authorized and auth is not None:
+                        auth.check_header(params["request"].headers.get("authorization"))
+                    return await route(**params)
+                except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
+                    return error_response(e)
+            return handler
+        return wrap
 
     async def read_body(request: Request) -> dict:
-        authorize(request)
         declared = request.headers.get("content-length", "")
         if declared.isdigit():  # refuse before reading what was announced
             limits.check_request_bytes(int(declared), "the request body")
@@ -128,7 +139,7 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
         if not body.get("stream"):
             # A list of prompts runs side by side; the first failure cancels (and so aborts) the others
             # and is the reply's error.
-            tasks = [asyncio.ensure_future(_final_output(engine.stream(prompt, request.params)))
+            tasks = [asyncio.ensure_future(_final_output(frontend.stream(prompt, request.params)))
                      for prompt in request.prompts]
             try:
                 outs = await asyncio.gather(*tasks)
@@ -138,7 +149,7 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             return JSONResponse(builder.final(outs))
-        stream = engine.stream(request.prompts[0], request.params)
+        stream = frontend.stream(request.prompts[0], request.params)
         # Start the request before answering 200, so that queue-full and engine errors get a status.
         first = await anext(stream)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -164,43 +175,32 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
         return EventStreamResponse(events())
 
     @app.post("/v1/completions")
+    @answered()
     async def completions(request: Request):
-        try:
-            body = await read_body(request)
-            request = completion_request(body, engine.description.max_model_len, limits)
-            return await run(body, request, chat=False)
-        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            return error_response(e)
+        body = await read_body(request)
+        return await run(body, completion_request(body, frontend.description.max_model_len, limits), chat=False)
 
     @app.post("/v1/chat/completions")
+    @answered()
     async def chat_completions(request: Request):
-        try:
-            body = await read_body(request)
-            messages, params = chat_request(body, engine.description.max_model_len, limits)
-            return await run(body, CompletionRequest([template.render(messages)], params), chat=True)
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        body = await read_body(request)
+        messages, params = chat_request(body, frontend.description.max_model_len, limits)
+        return await run(body, CompletionRequest([template.render(messages)], params), chat=True)
 
     @app.get("/v1/models")
+    @answered()
     async def models(request: Request):
-        try:
-            authorize(request)
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
         return {"object": "list", "data": [model_card()]}
 
     @app.get("/v1/models/{model_id:path}")
+    @answered()
     async def model(request: Request, model_id: str):
-        try:
-            authorize(request)
-            if model_id != model_name:
-                raise NotFoundError(f"model {model_id!r} is not served here; this deployment serves {model_name!r}")
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        if model_id != model_name:
+            raise NotFoundError(f"model {model_id!r} is not served here; this deployment serves {model_name!r}")
         return model_card()
 
     def model_card() -> dict:
-        d = engine.description
+        d = frontend.description
         return {"id": d.name, "object": "model", "created": 0, "owned_by": "warpspec", "max_model_len": d.max_model_len}
 
     @app.exception_handler(HTTPException)
@@ -211,20 +211,15 @@ def build_openai_app(engine: ReplicaFrontend, chat_template: ChatTemplate | None
                            dict(error.headers) if error.headers else None)
 
     @app.get("/health")
+    @answered(authorized=False)
     async def health():
-        try:
-            engine.check_health()
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
+        frontend.check_health()
         return {"status": "ok"}
 
     @app.get("/admin/stats")
+    @answered()
     async def stats(request: Request):
-        try:
-            authorize(request)
-        except Exception as e:  # noqa: BLE001
-            return error_response(e)
-        snapshot = engine.stats()
+        snapshot = frontend.stats()
         return {**dataclasses.asdict(snapshot), "kv_cache_usage": snapshot.kv_cache_usage, "replica": replica_id}
 
     return app

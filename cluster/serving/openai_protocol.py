@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from warpspec.core.engine_core import Prompt
+from warpspec.errors import InvalidRequestError
 from warpspec.outputs import RequestOutput, new_positions
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.request_mapping import check_max_tokens
 

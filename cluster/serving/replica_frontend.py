@@ -18,9 +18,9 @@ from pathlib import Path
 
 from warpspec.core.engine_core import Prompt
 from warpspec.entrypoints.async_llm import AsyncLLM
-from warpspec.errors import EngineError, EngineOverloadedError
+from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, ReplicaDrainingError
 from warpspec.outputs import RequestOutput
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.serving.metrics import ReplicaStats, ServingMetrics
 
 logger = logging.getLogger("warpspec.serving")
@@ -110,7 +110,7 @@ class ReplicaFrontend:
                         wait_s = max(0.0, sent_at + self.stream_gap_s - loop.time())
                         done, _ = await asyncio.wait({next_output}, timeout=wait_s)
                         if not done:
-                            yield _merge_deltas(held)
+                            yield _merge_outputs(held)
                             held, sent_at = [], loop.time()
                             continue
                         out = next_output.result()
@@ -137,7 +137,7 @@ class ReplicaFrontend:
                 is_first = num_held == len(out.token_ids)
                 gap_passed = loop.time() - sent_at >= self.stream_gap_s
                 if out.finished or is_first or (num_held >= self.stream_interval and gap_passed):
-                    yield _merge_deltas(held)
+                    yield _merge_outputs(held)
                     held, sent_at = [], loop.time()
                 if out.finished:
                     break
@@ -239,11 +239,8 @@ class ReplicaFrontend:
         await self.llm.shutdown()
 
 
-class ReplicaDrainingError(EngineError):
-    """The replica is shutting down (scale-down, redeploy): the request belongs on another replica."""
 
-
-def _merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+def _merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """The last output, carrying the new tokens and text of all: [a: +[5], b: +[7, 9]] -> b: +[5, 7, 9]."""
     last = outputs[-1]
     if len(outputs) > 1:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from google.protobuf import unknown_fields
 
 from warpspec.core.engine_core import Prompt
+from warpspec.errors import InvalidRequestError
 from warpspec.outputs import PositionLogprobs, RequestOutput, new_positions
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.serving.grpc_servicers import MalformedMessage
 from warpspec.serving.limits import RequestLimits
 

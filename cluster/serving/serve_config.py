@@ -24,6 +24,22 @@ GRPC_SERVICER_FUNCTIONS = [
 ]
 DEFAULT_APP_NAME = "warpspec"
 
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What each replica is built with: ServeConfig.replica_settings, its defaults' one definition.
+    Serve stores it with the deployment, so it holds the API key's digest, never the key."""
+    model: str
+    engine: dict[str, Any]
+    model_name: str | None
+    warmup: bool
+    stream_interval: int
+    stream_gap_ms: float
+    drain_timeout_s: float
+    limits: RequestLimits
+    auth: ApiKeyAuth | None
+
+
 @dataclass
 class ServeConfig:
     model: str
@@ -77,6 +93,10 @@ class ServeConfig:
         key = resolve_api_key(self.api_key, self.api_key_file)
         # Only the key's digest leaves this process (the deployment's args are stored by Serve).
         self.auth = ApiKeyAuth.from_key(key) if key is not None else None
+
+    def replica_settings(self) -> ReplicaSettings:
+        return ReplicaSettings(self.model, self.engine, self.model_name, self.warmup, self.stream_interval,
+                               self.stream_gap_ms, self.drain_timeout_s, self.limits, self.auth)
 
     @property
     def autoscaling_config(self) -> dict[str, Any]:

@@ -10,10 +10,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from warpspec.errors import EngineError, EngineOverloadedError
-from warpspec.sampling_params import InvalidRequestError
-from warpspec.serving.auth import UnauthenticatedError
-from warpspec.serving.limits import RequestTooLargeError
+from warpspec.errors import (
+    EngineError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestTooLargeError,
+    UnauthenticatedError,
+)
 
 logger = logging.getLogger("warpspec.serving")
 
@@ -25,9 +29,6 @@ class WireError:
     openai_type: str  # the `error.type` of an OpenAI error body
     message: str
 
-
-class NotFoundError(LookupError):
-    """A request named a model (OpenAI API) or a service (gRPC health) this deployment does not serve."""
 
 
 def wire_error(error: BaseException) -> WireError:

@@ -1,8 +1,23 @@
-"""Engine-wide speculative decoding figures."""
+"""Speculative decoding figures: engine-wide (SpeculationStats) and per request (speculation_metrics),
+with the one definition of acceptance length both use."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def acceptance_length(num_accepted_tokens: int, num_verify_steps: int) -> float:
+    """Mean tokens gained per verifying step: accepted drafts plus the one bonus/correction (0 without
+    any). 2 steps accepting 3 and 1 of their drafts: (4 + 2) / 2 = 3.0."""
+    return (num_accepted_tokens + num_verify_steps) / num_verify_steps if num_verify_steps else 0.0
+
+
+def speculation_metrics(num_verify_steps: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, float]:
+    """A request's speculation entries of RequestOutput.metrics; none when no step of it verified drafts."""
+    if not num_verify_steps:
+        return {}
+    return {"acceptance_length": acceptance_length(num_accepted_tokens, num_verify_steps),
+            "draft_tokens": num_draft_tokens, "accepted_draft_tokens": num_accepted_tokens}
 
 
 @dataclass
@@ -21,10 +36,7 @@ class SpeculationStats:
 
     @property
     def acceptance_length(self) -> float:
-        """Mean tokens gained per verifying step: accepted drafts plus the one bonus/correction."""
-        if not self.num_verify_steps:
-            return 0.0
-        return (self.num_accepted_tokens + self.num_verify_steps) / self.num_verify_steps
+        return acceptance_length(self.num_accepted_tokens, self.num_verify_steps)
 
     def acceptance_rate_at(self) -> list[float]:
         return [self.accepted_at.get(i, 0) / n for i, n in sorted(self.proposed_at.items())]

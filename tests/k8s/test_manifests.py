@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,8 @@ import jsonschema
 import pytest
 import yaml
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema, gRPCOptionsSchema
+
+from warpspec.serving.serve_cli import free_local_port
 
 REPO = Path(__file__).parents[2]
 SCHEMAS = REPO.parent / "shared" / "schemas"
@@ -309,11 +310,6 @@ def test_image_matches_dockerfile_and_dockerignore_keeps_the_package():
         assert not hits, f".dockerignore excludes {path} (pattern {hits[0]}), which `pip install .` needs"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
@@ -322,7 +318,7 @@ def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
     temp_dir = tempfile.mkdtemp(prefix="ws-k8s-")  # Ray's unix sockets need a short path
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
     command = [sys.executable, str(Path(__file__).with_name("deploy_config.py")), str(SERVE_CONFIG),
-               str(free_port()), str(free_port()), temp_dir]
+               str(free_local_port()), str(free_local_port()), temp_dir]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO, start_new_session=True)
     try:

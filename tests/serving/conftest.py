@@ -6,7 +6,6 @@ Serve is shut down at the end; the Ray cluster belongs to the ray_cluster fixtur
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from warpspec.serving.serve_cli import set_serving_environment
+from warpspec.serving.serve_cli import free_local_port, set_serving_environment
 from warpspec.training.random_checkpoint import create_random_checkpoint
 
 # Before the session's Ray cluster starts (ray_cluster), so that its Serve processes run as `warpspec
@@ -72,11 +71,6 @@ class Stack:
             time.sleep(0.02)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="session")
 def serving_checkpoint(tmp_path_factory) -> Path:
@@ -89,7 +83,7 @@ def serving_stack(ray_cluster, serving_checkpoint):
 
     from warpspec.serving.serve_cli import start_serving
 
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_local_port(), free_local_port()
     args = {"model": str(serving_checkpoint), "model_name": MODEL_NAME, **ENGINE_ARGS}
     start_serving(args, grpc_port=grpc_port, http_port=http_port, host="127.0.0.1")
     try:

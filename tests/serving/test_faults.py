@@ -23,10 +23,11 @@ from grpc_stream import Stream
 from waiting import wait_for, wait_for_async
 
 from warpspec.entrypoints.async_llm import AsyncLLM
+from warpspec.errors import ReplicaDrainingError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 from warpspec.sampling_params import SamplingParams
-from warpspec.serving.replica_frontend import ReplicaDrainingError, ReplicaFrontend
+from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.wire_errors import wire_error
 
 pytestmark = pytest.mark.slow
@@ -37,9 +38,9 @@ SHARDED_ARGS = {**ENGINE_ARGS, "num_workers": 2, "max_model_len": 1024, "num_kv_
 
 
 def _alive_actors() -> int:
-    import ray
+    from warpspec.executor.ray_env import live_actors
 
-    return sum(1 for a in ray._private.state.actors().values() if a["State"] == "ALIVE")
+    return len(live_actors())
 
 
 def _live_placement_groups() -> int:

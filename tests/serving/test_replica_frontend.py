@@ -37,9 +37,9 @@ def test_full_queue_is_resource_exhausted(serving_checkpoint):
         wire = wire_error(results[1])
         assert (wire.grpc_code, wire.http_status) == (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
         assert "max_waiting_requests" in wire.message
-        stats = service.engine.stats()
+        stats = service.frontend.stats()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.is_healthy
-        await service.engine.shutdown()
+        await service.frontend.shutdown()
 
     asyncio.run(main())
 

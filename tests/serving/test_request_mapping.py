@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from warpspec.errors import InvalidRequestError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
-from warpspec.sampling_params import InvalidRequestError, SamplingParams
+from warpspec.sampling_params import SamplingParams
 from warpspec.serving.chat_template import ChatTemplate
 from warpspec.serving.openai_protocol import chat_request, completion_request
 from warpspec.serving.request_mapping import request_from_proto

@@ -14,9 +14,10 @@ import pytest
 import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from warpspec.errors import UnauthenticatedError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
-from warpspec.serving.auth import API_KEY_ENV, ApiKeyAuth, UnauthenticatedError, resolve_api_key
+from warpspec.serving.auth import API_KEY_ENV, ApiKeyAuth, resolve_api_key
 from warpspec.serving.chat_template import ChatTemplate
 from warpspec.serving.serve_config import ServeConfig
 from warpspec.tokenizer import Tokenizer

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,19 +17,14 @@ import pytest
 import requests
 
 from warpspec.cli.client import GenerationClient
-from warpspec.serving.serve_cli import SERVE_ENVIRONMENT
+from warpspec.serving.serve_cli import SERVE_ENVIRONMENT, free_local_port
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
-    grpc_port, http_port = _free_port(), _free_port()
+    grpc_port, http_port = free_local_port(), free_local_port()
     run_dir = tempfile.mkdtemp(prefix="ws-cli-")  # short: Ray's socket paths live under it
     key = "sk-cli-test"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "WARPSPEC_API_KEY": key}
@@ -98,8 +92,9 @@ def test_warpspec_serve_refuses_a_replica_no_node_can_hold(serving_checkpoint):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "serve", "--model", str(serving_checkpoint),
-                           "--workers", "4", "--placement-timeout-s", "2", "--grpc-port", str(_free_port()),
-                           "--http-port", str(_free_port()), "--arg", f"run_dir={run_dir}", "--arg", "num_cpus=64"],
+                           "--workers", "4", "--placement-timeout-s", "2", "--grpc-port", str(free_local_port()),
+                           "--http-port", str(free_local_port()), "--arg", f"run_dir={run_dir}",
+                           "--arg", "num_cpus=64"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "warpspec: error: a replica needs CPU 68, GPU 0 on one node" in done.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warpspec.workers.persistent_batch import BatchMirror, PersistentBatch, StepDelta
+from warpspec.workers.persistent_batch import BatchMirror, BatchUpdate, PersistentBatch
 from warpspec.workers.step import SequenceStep, StepInput, StepPlan
 
 BLOCK = 4
@@ -20,8 +20,8 @@ def assert_same_step(got: StepInput, want: StepInput) -> None:
 
 def send(mirror: BatchMirror, batch: PersistentBatch, plan: StepPlan) -> int:
     """One step through the wire; returns the message's size."""
-    data = mirror.delta(plan.seqs, plan.block_size, plan.aux_layer_ids, plan.left_request_ids).to_bytes()
-    assert_same_step(batch.apply(StepDelta.from_bytes(data)), plan.build())
+    data = mirror.update(plan.seqs, plan.block_size, plan.aux_layer_ids, plan.left_request_ids).to_bytes()
+    assert_same_step(batch.apply(BatchUpdate.from_bytes(data)), plan.build())
     return len(data)
 
 
@@ -41,16 +41,16 @@ def test_deltas_rebuild_every_step():
                                   SequenceStep([30, 31], 4, tables["c"], 1, "c")], BLOCK))
     # Step 4: b back after preemption, recomputed in a new table; a left (finished).
     tables["b"] = [5, 6]
-    delta = mirror.delta([SequenceStep([1, 9, 21, 40], 0, tables["b"], 3, "b")], BLOCK, [], ["a"])
-    assert delta.forget == [0] and delta.tables == [[1, 0, [5, 6]]]  # b's new table, whole
-    assert_same_step(batch.apply(StepDelta.from_bytes(delta.to_bytes())),
+    update = mirror.update([SequenceStep([1, 9, 21, 40], 0, tables["b"], 3, "b")], BLOCK, [], ["a"])
+    assert update.forget == [0] and update.tables == [[1, 0, [5, 6]]]  # b's new table, whole
+    assert_same_step(batch.apply(BatchUpdate.from_bytes(update.to_bytes())),
                      StepPlan([SequenceStep([1, 9, 21, 40], 0, tables["b"], 3, "b")], BLOCK).build())
     assert 0 not in batch.tables
     # Step 5: d takes a's freed slot.
     tables["d"] = [8]
-    delta = mirror.delta([SequenceStep([2], 0, tables["d"], 0, "d")], BLOCK, [], [])
-    assert delta.seqs[0][0] == 0
-    batch.apply(StepDelta.from_bytes(delta.to_bytes()))
+    update = mirror.update([SequenceStep([2], 0, tables["d"], 0, "d")], BLOCK, [], [])
+    assert update.seqs[0][0] == 0
+    batch.apply(BatchUpdate.from_bytes(update.to_bytes()))
     # After a failed step the mirror resets: everything scheduled goes whole, stale slots are dropped.
     mirror.needs_reset = True
     send(mirror, batch, StepPlan([SequenceStep([41], 4, tables["b"], 0, "b")], BLOCK))
@@ -72,10 +72,10 @@ def test_a_decode_step_costs_bytes_per_sequence_not_per_block():
 def test_out_of_step_messages_and_other_versions_are_refused():
     batch = PersistentBatch()
     with pytest.raises(ValueError, match="slot 3 holds no table, the message appends from block 2"):
-        batch.apply(StepDelta(BLOCK, seqs=[[3, 8, [1], 0]], tables=[[3, 2, [9]]]))
+        batch.apply(BatchUpdate(BLOCK, seqs=[[3, 8, [1], 0]], tables=[[3, 2, [9]]]))
     with pytest.raises(ValueError, match="slot 0 has no table covering 9 tokens"):
-        batch.apply(StepDelta(BLOCK, tables=[[0, 0, [1, 2]]], seqs=[[0, 8, [1], 0]]))
-    stale = StepDelta(BLOCK)
+        batch.apply(BatchUpdate(BLOCK, tables=[[0, 0, [1, 2]]], seqs=[[0, 8, [1], 0]]))
+    stale = BatchUpdate(BLOCK)
     stale.version = 0
     with pytest.raises(ValueError, match="step message version 0; this worker reads version 1"):
-        StepDelta.from_bytes(stale.to_bytes())
+        BatchUpdate.from_bytes(stale.to_bytes())
