@@ -18,22 +18,27 @@ def affine(x):
     return x * 2 + 1
 
 
+def compiled_affine(compile_graph) -> tuple:
+    """(affine on a code object of its own, compiled through a backend that counts its graphs, the
+    graphs built, the function): the graphs of `affine` elsewhere in the process do not count."""
+    fn = type(affine)(affine.__code__.replace(), affine.__globals__, "affine")
+    built = []
+
+    def backend(graph_module, example_inputs):
+        built.append(graph_module)
+        return compile_graph(graph_module, example_inputs)
+
+    return torch.compile(fn, backend=backend, dynamic=False), built, fn
+
+
 def test_inductor_names_its_default_cache_folder():
     folder = inductor_default_cache_dir()
     assert isinstance(folder, str) and os.path.isabs(folder), folder
 
 
 def test_inductor_compiles_as_a_function_and_dynamo_shows_the_graphs_code_and_guards(tmp_path, monkeypatch):
-    """On a code object of its own (the graphs of `affine` elsewhere in the process do not count)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    fn = type(affine)(affine.__code__.replace(), affine.__globals__, "affine")
-    built = []
-
-    def backend(graph_module, example_inputs):
-        built.append(graph_module)
-        return compile_with_inductor(graph_module, example_inputs, {})
-
-    compiled = torch.compile(fn, backend=backend, dynamic=False)
+    compiled, built, fn = compiled_affine(lambda graph, inputs: compile_with_inductor(graph, inputs, {}))
     x = torch.arange(4.0)
     assert torch.equal(compiled(x), affine(x)) and len(built) == 1
 
@@ -48,16 +53,9 @@ def test_inductor_compiles_as_a_function_and_dynamo_shows_the_graphs_code_and_gu
     assert torch.equal(direct(torch.ones(4)), affine(torch.ones(4)))
 
 
-def test_a_size_marked_dynamic_serves_every_length_from_one_graph(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    fn = type(affine)(affine.__code__.replace(), affine.__globals__, "affine")
-    built = []
-
-    def backend(graph_module, example_inputs):
-        built.append(graph_module)
-        return graph_module.forward  # the traced graph, run as it is: only the count matters here
-
-    compiled = torch.compile(fn, backend=backend, dynamic=False)
+def test_a_size_marked_dynamic_serves_every_length_from_one_graph():
+    # The traced graph runs as it is: only the count matters here.
+    compiled, built, _ = compiled_affine(lambda graph, inputs: graph.forward)
     for length in (3, 6):
         x = torch.arange(float(length))
         mark_dynamic(x, 0)
