@@ -1,4 +1,4 @@
-"""One definition of every engine option (engine_options.py) reaches every front end: LLM and
+"""One definition of every engine option (config/options.py) reaches every front end: LLM and
 AsyncLLM keyword arguments, `warpspec generate` and `warpspec serve` flags, serve config args and
 build_app's docstring, and the README's option table. A test here fails when an option is reachable
 from one front end but not another."""
