@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import types
 import weakref
 from collections.abc import Callable, Hashable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,19 +40,8 @@ from warpspec.workers.step import SequenceStep, StepInput
 from warpspec.workers.torch_internals import (
     cached_graphs,
     compile_with_inductor,
-    inductor_default_cache_dir,
     mark_dynamic,
 )
-
-
-def use_compile_cache(run_dir: str | Path) -> None:
-    """Keep inductor's compiled code under run_dir, so a restart loads it instead of compiling again
-    (unless the environment already names a cache). Inductor writes its own default into the
-    environment once anything in the process has compiled: that one does not count as named."""
-    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if named is None or Path(named).resolve() == Path(inductor_default_cache_dir()).resolve():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir, "inductor").resolve())
-
 
 MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
 # The batch whose eager step picks the thread count of the graph for two or more sequences. Timed on

@@ -5,7 +5,9 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
 
 - inductor's default cache folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir):
   inductor writes it into TORCHINDUCTOR_CACHE_DIR itself once anything has compiled, and
-  use_compile_cache must tell that from a folder a user named.
+  open_compile_cache (compile_cache.py) must tell that from a folder a user named.
+- inductor's FX-graph cache counters (torch._dynamo.utils.counters["inductor"]): how many graphs a
+  start-up loaded from the compile cache and how many it compiled. torch.compiler exports no count.
 - inductor as a function (torch._inductor.compile_fx.compile_fx): a backend that counts the graphs
   it builds has to call inductor itself; torch.compile(backend="inductor") counts nothing.
 - dynamo's cache entries for a code object (torch._dynamo.eval_frame._debug_get_cache_entry_list,
@@ -32,6 +34,13 @@ def inductor_default_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return default_cache_dir()
+
+
+def fx_graph_cache_counts() -> tuple[int, int]:
+    """(graphs inductor loaded from its cache, graphs it compiled) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 
 
 def compile_with_inductor(graph_module, example_inputs, config_patches: dict):

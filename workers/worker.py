@@ -15,7 +15,7 @@ import torch
 
 from warpspec.workers.comm import CommInit
 from warpspec.workers.communicators import make_communicator
-from warpspec.workers.compiled_step import use_compile_cache
+from warpspec.workers.compile_cache import open_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.persistent_batch import BatchUpdate, PersistentBatch
@@ -35,7 +35,8 @@ class WorkerConfig:
     quantization: str | None = None  # None or "fp8" (see workers/quantization.py)
     moe_parallel: str = "tensor"  # routed experts split by width ("tensor") or whole ("expert")
     deterministic: bool = False  # batch-invariant steps (kernels/batch_invariant.py)
-    run_dir: str = "runs"  # compiled steps' cache lives under it
+    run_dir: str = "runs"  # compiled steps' cache lives under it, unless compile_cache names a folder
+    compile_cache: str | None = None
 
 
 @dataclass
@@ -53,7 +54,7 @@ class ShardWorker:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        use_compile_cache(config.run_dir)
+        self.compile_cache = open_compile_cache(config.compile_cache, config.run_dir)
         self.comm = make_communicator(config.comm)
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device, self.comm,
                                   cuda_graphs=config.cuda_graphs, quantization=config.quantization,

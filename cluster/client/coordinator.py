@@ -16,6 +16,7 @@ Coordinator is a plain class that builds the three in order; CoordinatorActor ho
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from warpspec.config.engine import EngineConfig
 from warpspec.core.core_loop import CoreLoop
 from warpspec.core.engine_core import EngineCore
 from warpspec.core.messages import CoreInput, StepReply
+from warpspec.executor.compile_cache_store import compile_cache_key, shared_compile_cache
 from warpspec.executor.driver import DispatchTiming, DriverExecutor
 from warpspec.workers.worker import WorkerInfo
 
@@ -50,12 +52,20 @@ class Coordinator:
             self.executor = DriverExecutor(config, placement_group, first_bundle)
             # The core warms every rank up (EngineCore's warm-up) before the step graph exists: once
             # compiled, the Ray graph holds each worker's thread. It loads the draft too, when config names one.
-            self.core = EngineCore(config, self.executor)
+            with self._shared_compile_cache(config):
+                self.core = EngineCore(config, self.executor)
             self.executor.start_step_graph()
             self.loop = CoreLoop(self.core, config.parallel.core_reply_interval_ms, self.executor.record_core_time)
         except BaseException:
             self.shutdown()  # a half-built replica must not keep its actors
             raise
+
+    def _shared_compile_cache(self, config: EngineConfig):
+        """Rank 0's and the draft's artifacts, fetched from and published to the cluster
+        (executor/compile_cache_store.py), when anything compiles."""
+        if config.enforce_eager:
+            return contextlib.nullcontext()
+        return shared_compile_cache(self.executor.rank0.compile_cache, *compile_cache_key(config, "coordinator"))
 
     def info(self) -> ReplicaInfo:
         executor, proposer = self.executor, self.core.proposer

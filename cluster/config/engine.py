@@ -119,6 +119,9 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     run_dir: str = "runs"  # where a locally started Ray keeps its session files
+    # Compiled steps' artifacts (workers/compile_cache.py): None keeps them under run_dir/inductor
+    # (or where TORCHINDUCTOR_CACHE_DIR says); a folder every replica mounts shares them.
+    compile_cache: str | None = None
     # Decode and verification steps replay captured CUDA graphs on CUDA devices and run
     # torch.compile'd on a one-rank CPU replica (workers/compiled_step.py); True runs every step
     # eagerly (debugging, profiling single kernels). WARPSPEC_ENFORCE_EAGER=1 in the environment makes

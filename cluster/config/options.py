@@ -60,6 +60,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "CPU, compiled steps cover batches up to the largest (larger batches run eagerly)"),
     EngineOption("seed", "seed", int, 0, "seeds the requests that bring no seed of their own"),
     EngineOption("run_dir", "run_dir", str, "runs", "a local Ray cluster's session files and compile caches"),
+    EngineOption("compile_cache", "compile_cache", str, None,
+                 "the folder of compiled steps' artifacts, shared by every process that names it (default: "
+                 "run_dir/inductor); on a Ray cluster a replica also fetches what another one built"),
     # KV cache.
     EngineOption("block_size", "cache.block_size", int, CacheConfig.block_size, "tokens per KV block"),
     EngineOption("num_kv_blocks", "cache.num_blocks", int, None,

@@ -3,8 +3,11 @@ coordinator actor, rank 0's, is client/coordinator.py's)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import ray
 
+from warpspec.executor.compile_cache_store import shared_compile_cache
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo
 
 
@@ -20,8 +23,11 @@ class ShardWorkerActor:
     def execute(self, step_bytes: bytes) -> tuple[float, bytes]:
         return self.worker.execute(step_bytes)
 
-    def warm_up(self, aux_layer_ids: list[int]) -> None:
-        self.worker.warm_up(aux_layer_ids)
+    def warm_up(self, aux_layer_ids: list[int], share: tuple[str, dict[str, str]] | None) -> None:
+        """share: the (key, fingerprint) of this rank's artifacts in the cluster's compile cache, or
+        None when nothing compiles."""
+        with contextlib.nullcontext() if share is None else shared_compile_cache(self.worker.compile_cache, *share):
+            self.worker.warm_up(aux_layer_ids)
 
     def num_collectives(self) -> int:
         return self.worker.num_collectives()

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from warpspec.config.engine import EngineConfig
 from warpspec.errors import WorkerDiedError
 from warpspec.executor.actors import ShardWorkerActor
+from warpspec.executor.compile_cache_store import compile_cache_key
 from warpspec.executor.placement import worker_resources
 from warpspec.executor.ray_env import unwrap_ray_errors
 from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
@@ -116,7 +117,8 @@ class DriverExecutor:
                                 CommInit(backend, rank, self.parallel.num_workers, address, port, nccl_id),
                                 self.config.device, threads,
                                 self.config.cuda_graph_config(), self.config.quantization,
-                                self.parallel.moe_parallel, self.config.deterministic, self.config.run_dir)
+                                self.parallel.moe_parallel, self.config.deterministic, self.config.run_dir,
+                                self.config.compile_cache)
                    for rank in range(self.parallel.num_workers)]
         # Every rank must enter the group together: start the others, join here, then wait for them.
         started = [w.start.remote(c) for w, c in zip(self.workers, configs[1:], strict=True)]
@@ -136,8 +138,11 @@ class DriverExecutor:
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Every rank builds its compiled step graphs (ModelRunner.warm_up) at once: the warm-up steps
-        meet in their collectives."""
-        pending = [w.warm_up.remote(aux_layer_ids) for w in self.workers]
+        meet in their collectives. Ranks 1..N-1 fetch and publish their artifacts through the
+        cluster (compile_cache_store.py); rank 0's are the coordinator's."""
+        shares = [None if self.config.enforce_eager else compile_cache_key(self.config, f"rank{rank}")
+                  for rank in range(1, self.parallel.num_workers)]
+        pending = [w.warm_up.remote(aux_layer_ids, share) for w, share in zip(self.workers, shares, strict=True)]
         self.rank0.warm_up(aux_layer_ids)
         unwrap_ray_errors(lambda: ray.get(pending))
 

@@ -5,14 +5,14 @@ the model config, the KV block count, execute(), and warm_up() before the first 
 from __future__ import annotations
 
 from warpspec.config.engine import EngineConfig
-from warpspec.workers.compiled_step import use_compile_cache
+from warpspec.workers.compile_cache import open_compile_cache
 from warpspec.workers.runner import ModelRunner, StepOutput
 from warpspec.workers.step import StepPlan
 
 
 class LocalExecutor:
     def __init__(self, config: EngineConfig):
-        use_compile_cache(config.run_dir)
+        open_compile_cache(config.compile_cache, config.run_dir)
         self.runner = ModelRunner(config.model, config.dtype, config.cache, config.device,
                                   cuda_graphs=config.cuda_graph_config(), quantization=config.quantization,
                                   moe_parallel=config.parallel.moe_parallel, deterministic=config.deterministic)

@@ -87,7 +87,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         placement_timeout_s: how long a new replica's gang may wait for a node; placement_strategy is
         accepted but a replica is always one STRICT_PACK gang), the draft (draft, num_speculative_tokens,
         aux_layer_offset, compile_draft, coupled_verification), enforce_eager,
-        cuda_graph_batch_sizes, seed, run_dir.
+        cuda_graph_batch_sizes, seed, run_dir, compile_cache (the compiled steps' folder).
 
     Replicas (Ray Serve):
         min_replicas (1), max_replicas (1), initial_replicas (min_replicas), target_ongoing_requests (8):

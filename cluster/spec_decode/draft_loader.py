@@ -10,7 +10,7 @@ import torch
 
 from warpspec.config.engine import EngineConfig
 from warpspec.spec_decode.eagle3 import Eagle3Proposer
-from warpspec.workers.compiled_step import use_compile_cache
+from warpspec.workers.compile_cache import open_compile_cache
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.model_config import ModelConfig
@@ -30,7 +30,7 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
     draft = load_eagle3(spec.draft, model_config, embed_tokens, dtype, spec.aux_layer_offset)
     compile_draft = spec.compile_draft and not config.enforce_eager  # enforce_eager: every step eager
     if compile_draft:
-        use_compile_cache(config.run_dir)
+        open_compile_cache(config.compile_cache, config.run_dir)
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
                           compile=compile_draft, deterministic=config.deterministic,
                           num_speculative_tokens=spec.num_speculative_tokens, cuda_graphs=config.cuda_graph_config())

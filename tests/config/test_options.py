@@ -23,6 +23,7 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 # A value other than the default for every option, valid on its own.
 SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "device": "cpu", "deterministic": True,
           "enforce_eager": True, "cuda_graph_batch_sizes": (1, 3), "seed": 7, "run_dir": "elsewhere",
+          "compile_cache": "shared",
           "block_size": 32, "num_kv_blocks": 9, "kv_cache_memory_gib": 2.5, "max_num_seqs": 5,
           "max_num_batched_tokens": 99, "enable_prefix_caching": False, "max_waiting_requests": 11,
           "num_workers": 3, "executor": "ray", "dispatch": "actor", "placement_strategy": "SPREAD",

@@ -35,7 +35,7 @@ SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
 # the two Serve configs must be the same.
 DEPLOYMENT_SPECIFIC_ARGS = {"model", "draft", "num_workers", "dtype", "device", "kv_cache_memory_gib",
                             "max_model_len", "min_replicas", "max_replicas", "target_ongoing_requests",
-                            "placement_timeout_s"}
+                            "placement_timeout_s", "compile_cache"}
 
 Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRDs are ~1 MB each: libyaml parses them in 1 s
 
@@ -290,6 +290,22 @@ def test_checkpoints_come_from_a_read_only_volume_and_shm_is_memory(name, doc):
         shm = mounts.get("/dev/shm")
         assert shm and volumes[shm["name"]].get("emptyDir", {}).get("medium") == "Memory", \
             f"{name}: /dev/shm must be an in-memory emptyDir (Ray's object store and NCCL live there)"
+
+
+@pytest.mark.parametrize("name, doc", RAY_SERVICES)
+def test_every_gpu_pod_writes_the_compile_cache_to_one_shared_volume(name, doc):
+    folder = serve_config_of(doc)["applications"][0]["args"].get("compile_cache")
+    assert folder, f"{name}: no compile_cache: every new replica compiles its steps again"
+    shared_claims = {m["metadata"]["name"] for _, m in MANIFESTS
+                     if m["kind"] == "PersistentVolumeClaim" and "ReadWriteMany" in m["spec"]["accessModes"]}
+    for group in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mount = next((m for m in pod["containers"][0]["volumeMounts"]
+                      if folder.startswith(m["mountPath"].rstrip("/") + "/")), None)
+        assert mount is not None and not mount.get("readOnly"), f"{name}: {folder} is on no writable mount"
+        claim = volumes[mount["name"]].get("persistentVolumeClaim", {}).get("claimName")
+        assert claim in shared_claims, f"{name}: {folder} is not on a ReadWriteMany claim"
 
 
 def test_image_matches_dockerfile_and_dockerignore_keeps_the_package():

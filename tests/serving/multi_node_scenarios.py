@@ -2,7 +2,7 @@
 all on this machine), each run in a process of its own by test_multi_node.py: a process holds one
 Ray connection, and the other serving tests share another.
 
-    python multi_node_scenarios.py placement|infeasible|node_loss|autoscaling
+    python multi_node_scenarios.py placement|infeasible|node_loss|autoscaling|compile_cache
 
 Each prints one line "scenario result: {JSON}" of what it saw, and asserts what it must; it stops everything it started.
 The nodes: a head with 1 CPU (Serve's controller and its one proxy) and workers with 2 CPUs. A
@@ -34,7 +34,9 @@ IDLE_TIMEOUT_S = 6  # the autoscaler removes a node idle this long
 RESULT_PREFIX = "scenario result: "  # Ray's own lines share stdout
 
 
-def start_cluster(num_nodes: int):
+def start_cluster(num_nodes: int, own_compile_caches: bool = False):
+    """own_compile_caches: each worker node keeps compiled steps in a folder of its own (as separate
+    machines' disks would), not in the one folder the processes of this machine share."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -49,7 +51,9 @@ def start_cluster(num_nodes: int):
     temp_dir.mkdir(parents=True, exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(temp_dir)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(num_nodes)]
+    caches = [{"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"ws-node{i}-inductor-")}
+              if own_compile_caches else None for i in range(num_nodes)]
+    nodes = [cluster.add_node(num_cpus=2, env_vars=env) for env in caches]
     ray.init(address=cluster.address, log_to_driver=False)
     return cluster, nodes
 
@@ -273,6 +277,43 @@ def autoscaling(checkpoint: str) -> dict:
     return times
 
 
+def compile_cache(cluster, nodes, checkpoint: str) -> dict:
+    """A compiled replica on a node that never compiled: the first replica compiles on its node and
+    leaves its artifacts in the cluster; when that node is lost, Serve restarts the replica on the
+    other node (an empty compile cache folder of its own), which fetches them and compiles nothing."""
+    from warpspec.executor.compile_cache_store import compile_cache_events
+    from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
+
+    started = time.monotonic()
+    port = serve_app(checkpoint, min_replicas=1, max_replicas=1, enforce_eager=False)
+    first_ready_s = time.monotonic() - started
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        expected = greedy(stub)
+        (home,) = [node for node, actors in actors_by_node().items() if actors.get("CoordinatorActor")]
+        victim = next(n for n in nodes if n.node_id == home)
+        cluster.remove_node(victim, allow_graceful=False)
+        lost_at = time.monotonic()
+
+        def serves() -> bool:
+            try:
+                return greedy(stub) == expected
+            except grpc.RpcError:
+                return False
+
+        wait_for(serves, 240, "the replica restarted on the other node")
+        second_ready_s = time.monotonic() - lost_at
+    events = [e for e in compile_cache_events() if e.key.endswith("/coordinator")]
+    assert len(events) == 2, events
+    first, second = events
+    assert first.published > 0 and first.graphs_compiled > 0 and first.node_id == home, first
+    assert second.node_id != home and second.fetched == first.published, second
+    assert second.refused is None and second.graphs_compiled == 0 and second.graphs_loaded > 0, second
+    return {"first_ready_s": round(first_ready_s, 1), "restarted_on_new_node_s": round(second_ready_s, 1),
+            "first_warm_up_s": first.warm_up_s, "second_warm_up_s": second.warm_up_s,
+            "graphs": [first.graphs_compiled, second.graphs_loaded], "files": first.published}
+
+
 def _serves_on_both(stub, expected: list[int]) -> bool:
     """Several greedy requests at once (so both replicas take some) all give the expected tokens."""
     results: list[list[int]] = []
@@ -293,7 +334,7 @@ def main(scenario: str) -> None:
     if scenario == "autoscaling":
         cluster, nodes = start_autoscaling_cluster(max_nodes=2), []
     else:
-        cluster, nodes = start_cluster(num_nodes=2)
+        cluster, nodes = start_cluster(num_nodes=2, own_compile_caches=scenario == "compile_cache")
     try:
         if scenario == "autoscaling":
             result = autoscaling(checkpoint)
@@ -301,6 +342,8 @@ def main(scenario: str) -> None:
             result = placement(checkpoint)
         elif scenario == "infeasible":
             result = infeasible(checkpoint)
+        elif scenario == "compile_cache":
+            result = compile_cache(cluster, nodes, checkpoint)
         elif scenario == "node_loss":
             result = node_loss(cluster, nodes, checkpoint)
         else:

@@ -46,6 +46,12 @@ def test_losing_a_node_fails_its_streams_only_and_serve_restarts_its_replica():
     assert report["placement_groups"] == 2
 
 
+def test_a_replica_on_a_node_that_never_compiled_fetches_the_first_replicas_steps():
+    report = run_scenario("compile_cache")  # the scenario asserts the store's record of both start-ups
+    assert report["graphs"][0] == report["graphs"][1] > 0  # every graph compiled once was loaded
+    assert report["files"] > 0
+
+
 def test_load_beyond_one_replica_adds_a_node_and_removes_it_after():
     """Ray's fake multi-node provider as the autoscaler's cloud (the same upscaling mode, Default, as
     k8s/rayservice.yaml; an idle timeout of 6 s instead of its 600): a second replica's gang fits no

@@ -15,12 +15,11 @@ import torch
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
-from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CompiledStepRunner, CountingCompiler, use_compile_cache
+from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CompiledStepRunner, CountingCompiler
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
-from warpspec.workers.torch_internals import inductor_default_cache_dir
 
 BLOCK = 4
 SHAPES = CudaGraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 4), max_model_len=64)
@@ -272,19 +271,6 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
         assert runner.graph_runner.num_compiles == compiles  # each graph was built with its count
     finally:
         torch.set_num_threads(before)
-
-
-def test_compile_cache_goes_to_the_run_folder_unless_the_environment_names_one(tmp_path, monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    use_compile_cache(tmp_path / "a")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "a" / "inductor").resolve())
-    # Inductor's own default, written once anything compiled, is not a choice: the run folder wins.
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", inductor_default_cache_dir())
-    use_compile_cache(tmp_path / "b")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str((tmp_path / "b" / "inductor").resolve())
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    use_compile_cache(tmp_path / "c")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_the_thread_count_of_the_graph_for_several_sequences_is_timed_on_a_larger_batch():

@@ -9,6 +9,7 @@ from warpspec.workers import torch_internals
 from warpspec.workers.torch_internals import (
     cached_graphs,
     compile_with_inductor,
+    fx_graph_cache_counts,
     inductor_default_cache_dir,
     mark_dynamic,
 )
@@ -38,9 +39,13 @@ def test_inductor_names_its_default_cache_folder():
 
 def test_inductor_compiles_as_a_function_and_dynamo_shows_the_graphs_code_and_guards(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    hits, misses = fx_graph_cache_counts()
     compiled, built, fn = compiled_affine(lambda graph, inputs: compile_with_inductor(graph, inputs, {}))
     x = torch.arange(4.0)
     assert torch.equal(compiled(x), affine(x)) and len(built) == 1
+    assert fx_graph_cache_counts() == (hits, misses + 1)  # an empty cache folder: compiled
+    again, _, _ = compiled_affine(lambda graph, inputs: compile_with_inductor(graph, inputs, {}))
+    assert torch.equal(again(x), affine(x)) and fx_graph_cache_counts() == (hits + 1, misses + 1)  # loaded
 
     graphs = cached_graphs(fn.__code__)
     assert graphs is not None, f"torch {torch.__version__} lacks dynamo's cache-entry API " \
