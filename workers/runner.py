@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
@@ -89,7 +90,8 @@ class ModelRunner:
         (CountingCompiler.seal). Nothing to do otherwise. Over several ranks every rank warms up at
         once, on the same steps: they meet in each step's collectives."""
         if isinstance(self.graph_runner, CompiledStepRunner):
-            for step in self.graph_runner.warm_up_steps(aux_layer_ids):
+            steps = self.graph_runner.warm_up_steps(aux_layer_ids)
+            for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):
                 with torch.inference_mode():
                     sample = self.graph_runner.thread_sample(step)
                     count, _ = fastest_thread_count(lambda sample=sample: self._eager_forward(sample))

@@ -7,6 +7,7 @@ import json
 import sys
 
 from warpspec.config.options import add_engine_flags, engine_options_from_flags
+from warpspec.core.startup import show_startup_log
 from warpspec.errors import InvalidRequestError, PlacementError
 from warpspec.workers.errors import CheckpointError
 
@@ -183,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    show_startup_log()  # each phase of an engine's start-up, with its time, on stderr
     try:
         args.func(args)
     except (CheckpointError, InvalidRequestError, ValueError) as e:

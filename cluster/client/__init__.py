@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from warpspec.config.engine import EngineConfig
 from warpspec.core.engine_core import EngineCore
+from warpspec.core.startup import StartupTimer
 from warpspec.executor.local import LocalExecutor
 from warpspec.spec_decode.proposer import Proposer
 
@@ -15,7 +16,11 @@ def make_core_client(config: EngineConfig, proposer: Proposer | None = None):
     """An EngineCore in this process, or, with Ray workers, a RayCoreClient for the core inside the
     replica's coordinator actor."""
     if not config.parallel.uses_ray:
-        return EngineCore(config, LocalExecutor(config), proposer)
+        startup = StartupTimer()
+        with startup.phase("weights and KV cache") as phase:
+            executor = LocalExecutor(config)
+            phase.detail = f"1 rank, {executor.num_blocks} KV blocks"
+        return EngineCore(config, executor, proposer, startup)
     if proposer is not None:
         raise ValueError("a proposer object runs in this process only: with Ray workers (num_workers > 1 or "
                          "executor='ray') the engine core and its draft run in the coordinator; pass draft=")

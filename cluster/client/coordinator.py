@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -28,6 +28,7 @@ from warpspec.config.engine import EngineConfig
 from warpspec.core.core_loop import CoreLoop
 from warpspec.core.engine_core import EngineCore
 from warpspec.core.messages import CoreInput, StepReply
+from warpspec.core.startup import StartupPhase, StartupTimer, show_startup_log
 from warpspec.executor.compile_cache_store import compile_cache_key, shared_compile_cache
 from warpspec.executor.driver import DispatchTiming, DriverExecutor
 from warpspec.workers.worker import WorkerInfo
@@ -42,18 +43,23 @@ class ReplicaInfo:
     workers: list[WorkerInfo]
     dispatch: str
     draft_aux_layer_ids: tuple[int, ...] | None = None  # when the coordinator runs an EAGLE-3 draft
+    startup: list[StartupPhase] = field(default_factory=list)  # the coordinator's start-up phases
 
 
 class Coordinator:
     def __init__(self, config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0):
         """placement_group: one bundle per rank from first_bundle on (DriverExecutor says whose)."""
         self.executor, self.loop = None, None
+        startup = StartupTimer()
         try:
-            self.executor = DriverExecutor(config, placement_group, first_bundle)
+            with startup.phase("weights and KV cache") as phase:
+                self.executor = DriverExecutor(config, placement_group, first_bundle)
+                n = config.parallel.num_workers
+                phase.detail = f"{n} rank{'s' if n > 1 else ''}, {self.executor.num_blocks} KV blocks each"
             # The core warms every rank up (EngineCore's warm-up) before the step graph exists: once
             # compiled, the Ray graph holds each worker's thread. It loads the draft too, when config names one.
             with self._shared_compile_cache(config):
-                self.core = EngineCore(config, self.executor)
+                self.core = EngineCore(config, self.executor, startup=startup)
             self.executor.start_step_graph()
             self.loop = CoreLoop(self.core, config.parallel.core_reply_interval_ms, self.executor.record_core_time)
         except BaseException:
@@ -71,7 +77,8 @@ class Coordinator:
         executor, proposer = self.executor, self.core.proposer
         return ReplicaInfo(executor.parallel.num_workers, executor.num_blocks, executor.infos,
                            executor.parallel.dispatch,
-                           tuple(proposer.aux_layer_ids) if proposer is not None else None)
+                           tuple(proposer.aux_layer_ids) if proposer is not None else None,
+                           self.core.startup.phases)
 
     def shutdown(self) -> None:
         """End the core's loop (after the step it is in), then release the workers."""
@@ -93,6 +100,7 @@ class CoordinatorActor:
 
     @ray.method(concurrency_group="core")
     def start(self, config: EngineConfig, placement_group: PlacementGroup, first_bundle: int = 0) -> ReplicaInfo:
+        show_startup_log()
         self.coordinator = Coordinator(config, placement_group, first_bundle)
         return self.coordinator.info()
 

@@ -6,6 +6,7 @@ operators and benchmarks ask of a replica: step timings, process ids."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -14,6 +15,7 @@ from ray.util.placement_group import remove_placement_group
 from warpspec.client.coordinator import CoordinatorActor
 from warpspec.config.engine import EngineConfig
 from warpspec.core.messages import CoreInput, StepReply
+from warpspec.core.startup import StartupPhase, StartupTimer
 from warpspec.errors import EngineError, WorkerDiedError
 from warpspec.executor.driver import DispatchTiming
 from warpspec.executor.placement import coordinator_options, place_workers, replica_gang
@@ -32,16 +34,25 @@ class CoordinatorHandle:
         # here, not in the coordinator, so the group outlives a coordinator that dies (place_workers).
         gang = replica_gang(config)
         self.owns_group = gang is None
-        self.placement_group, first_bundle = (place_workers(config), 0) if gang is None else (gang, 1)
+        self.startup = StartupTimer()
+        with self.startup.phase("placement") as phase:
+            self.placement_group, first_bundle = (place_workers(config), 0) if gang is None else (gang, 1)
+            phase.detail = "the workers' placement group" if gang is None else "Serve's gang"
         self.coordinator = None
         try:
             options = coordinator_options(config, self.placement_group, first_bundle)
+            start = time.perf_counter()
             self.coordinator = CoordinatorActor.options(**options).remote()
             self.info = unwrap_ray_errors(lambda: ray.get(
                 self.coordinator.start.remote(config, self.placement_group, first_bundle)))
         except BaseException:
             self._release()
             raise
+        # What the coordinator did not time itself: its process starting and importing.
+        inside = sum(p.seconds for p in self.info.startup)
+        self.startup.phases.append(StartupPhase("coordinator process", round(time.perf_counter() - start - inside, 3),
+                                                "actor start and imports"))
+        self.startup.phases.extend(self.info.startup)
         self.num_blocks = self.info.num_blocks
 
         # The core's loop runs from here on, replying once per step until shutdown.

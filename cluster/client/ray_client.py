@@ -46,6 +46,7 @@ class RayCoreClient:
         self.failure: EngineError | None = None  # what ended the core's stream: every later read raises it
         self.core_stats = EngineStats(self.coordinator.num_blocks, self.coordinator.num_blocks, 0, 0, 0.0, 0.0)
         self.spec_stats = SpeculationStats()
+        self.startup = self.coordinator.startup  # placement, then the coordinator's phases (core/startup.py)
 
     # ---- requests -------------------------------------------------------------------------------
 

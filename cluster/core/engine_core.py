@@ -28,6 +28,7 @@ from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.core.sequence import Sequence
+from warpspec.core.startup import StartupTimer
 from warpspec.core.stats import EngineStats
 from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
 from warpspec.outputs import PositionLogprobs
@@ -42,6 +43,7 @@ from warpspec.tokenizer import Tokenizer
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
 from warpspec.workers.step import SequenceStep, StepPlan
+from warpspec.workers.torch_internals import fx_graph_cache_counts
 
 
 class Executor(Protocol):
@@ -58,19 +60,33 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+def _graphs_built(warm_up, whose: str) -> str:
+    """Run warm_up; say how many graphs this process loaded from the compile cache and compiled."""
+    hits, misses = fx_graph_cache_counts()
+    warm_up()
+    new_hits, new_misses = fx_graph_cache_counts()
+    return f"{whose}: {new_hits - hits} graphs loaded from the compile cache, {new_misses - misses} compiled"
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor, proposer: Proposer | None = None):
+    def __init__(self, config: EngineConfig, executor: Executor, proposer: Proposer | None = None,
+                 startup: StartupTimer | None = None):
         """executor: where steps run (executor/: a LocalExecutor in this process, or the coordinator's
         DriverExecutor over Ray workers). proposer: drafts for speculative decoding; None loads the
         EAGLE-3 draft that config names (and none without one). A given proposer speculates
-        config.speculative.num_speculative_tokens tokens whatever the config's draft."""
+        config.speculative.num_speculative_tokens tokens whatever the config's draft. startup: the
+        phases timed so far (the executor's); the core adds the draft and the compiles (startup.py)."""
         self.config = config
+        self.startup = startup if startup is not None else StartupTimer()
         self.executor = executor
         self.model_config = self.executor.model_config
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.block_size = config.cache.block_size
-        self.proposer = proposer if proposer is not None else self._load_proposer()
+        if proposer is None and config.speculative.enabled:
+            with self.startup.phase("draft"):
+                proposer = self._load_proposer()
+        self.proposer = proposer
         # The draft's KV at a block's last position pairs it with the token after the block: a
         # cached block is reusable only by requests that continue it with the same token.
         self.block_manager = BlockManager(self.executor.num_blocks, self.block_size,
@@ -90,14 +106,18 @@ class EngineCore:
     def _warm_up(self) -> None:
         """Let the ranks, and the draft, build their compiled step graphs before the first request
         (ModelRunner.warm_up, Eagle3Proposer.warm_up; no-ops where nothing compiles)."""
-        self.executor.warm_up(list(self.proposer.aux_layer_ids) if self.proposer is not None else [])
+        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
+        if self.config.enforce_eager:
+            self.executor.warm_up(aux_layer_ids)  # nothing to build: not a phase
+            return
+        with self.startup.phase("compile target steps") as phase:
+            phase.detail = _graphs_built(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
-        if warm_up_draft is not None:
-            warm_up_draft()
+        if warm_up_draft is not None and self.config.speculative.compile_draft:
+            with self.startup.phase("compile draft steps") as phase:
+                phase.detail = _graphs_built(warm_up_draft, "draft")
 
-    def _load_proposer(self) -> Proposer | None:
-        if not self.config.speculative.enabled:
-            return None
+    def _load_proposer(self) -> Proposer:
         # With one shard (in this process, or the coordinator's only one) the draft shares the
         # target's embedding table; over more, the executor has no whole table (no runner) and the
         # draft reads it from the checkpoint.

@@ -28,6 +28,7 @@ from warpspec.config.engine import EngineConfig
 from warpspec.config.options import engine_config
 from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import Prompt
+from warpspec.core.startup import StartupPhase
 from warpspec.core.stats import EngineStats
 from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, StepFailedError
@@ -75,6 +76,11 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def startup(self) -> list[StartupPhase]:
+        """What the engine (the latest, after a rebuild) did before its first request (core/startup.py)."""
+        return self.engine.startup.phases
 
     @property
     def vocab_size(self) -> int:

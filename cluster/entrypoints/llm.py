@@ -10,6 +10,7 @@ from tqdm import tqdm
 from warpspec.client import make_core_client
 from warpspec.config.options import engine_config
 from warpspec.core.requests import Prompt
+from warpspec.core.startup import StartupPhase
 from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.errors import InvalidRequestError
 from warpspec.outputs import RequestOutput
@@ -40,6 +41,11 @@ class LLM:
     @property
     def tokenizer(self):
         return self._engine().tokenizer
+
+    @property
+    def startup(self) -> list[StartupPhase]:
+        """What the engine did before its first request, phase by phase, with times (core/startup.py)."""
+        return self._engine().startup.phases
 
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,

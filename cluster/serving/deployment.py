@@ -32,6 +32,7 @@ import logging
 from grpc_health.v1 import health_pb2
 from ray import serve
 
+from warpspec.core.startup import show_startup_log
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.grpc_service import GenerationService
@@ -107,6 +108,7 @@ class WarpspecServer:
     async def __init__(self, settings: ReplicaSettings):
         """settings: ServeConfig.replica_settings (app.build_app)."""
         _match_threads_to_reserved_cpus()
+        show_startup_log()
         llm = await AsyncLLM.create(settings.model, **settings.engine)
         metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1])
         self.frontend = ReplicaFrontend(llm, settings.model_name, metrics, settings.stream_interval,

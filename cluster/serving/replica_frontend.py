@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from warpspec.core.engine_core import Prompt
+from warpspec.core.startup import StartupPhase, log_startup_table
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, ReplicaDrainingError
 from warpspec.outputs import RequestOutput
@@ -187,8 +188,11 @@ class ReplicaFrontend:
         """One 2-token greedy request: the first step builds attention metadata paths and, with a draft,
         compiles it."""
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
         async for _ in self.llm.generate([0, 1], params, request_id=f"warmup#{uuid.uuid4().hex[:12]}"):
             pass
+        phases = [*self.llm.startup, StartupPhase("warm-up request", round(time.perf_counter() - start, 3), "2 tokens")]
+        log_startup_table(phases)
 
     def _fail(self, reason: str) -> None:
         """A step failed fatally: refuse work (UNAVAILABLE, health failing) and rebuild the engine."""

@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable, Hashable
 
 import torch
+from tqdm import tqdm
 
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.sample.sampler import exponential_noise, greedy_tokens
@@ -292,12 +293,15 @@ class Eagle3Proposer:
         yet. Then the step graphs check only the guards that tell them apart (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
+        progress = tqdm(desc="compiling the draft's steps", unit="graph", disable=None, leave=False)
         for one in (True, False):
             graphs = self._warm_up_graphs(1 if one else 2)
             samples = graphs if one else self._warm_up_graphs(THREAD_SAMPLE_SEQS)
             for (graph, compiled, eager, inputs), (*_, sample) in zip(graphs, samples, strict=True):
                 self.thread_counts[graph], _ = fastest_thread_count(lambda sample=sample, eager=eager: eager(*sample))
                 self._run_compiled(compiled, inputs, graph)
+                progress.update()
+        progress.close()
         target_width = 3 * self.draft.config.target_hidden_size
         prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, self._warm_up_table(), 2 * self.catch_up_len - 1)]
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,

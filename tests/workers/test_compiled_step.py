@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -109,6 +110,13 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
             # Built at start-up: decode for one sequence and for more.
             warm_compiles = graph_runner.num_compiles if graph_runner else 0
             assert warm_compiles == (0 if enforce_eager else 2)
+            # Start-up reports the compile as a phase of its own, both graphs in it (from the cache or not).
+            phases = ["weights and KV cache"] + ([] if enforce_eager else ["compile target steps"])
+            assert [p.name for p in llm.startup] == phases
+            if not enforce_eager:
+                loaded, compiled = re.fullmatch(r"rank 0: (\d+) graphs loaded from the compile cache, (\d+) compiled",
+                                                llm.startup[1].detail).groups()
+                assert int(loaded) + int(compiled) == 2
             tokens[enforce_eager] = [o.token_ids for o in llm.generate(prompts[:1], params)]
             tokens[enforce_eager] += [o.token_ids for o in llm.generate(prompts, params)]
             if not enforce_eager:
