@@ -109,13 +109,17 @@ class EngineCore:
         aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
         if self.config.enforce_eager:
             self.executor.warm_up(aux_layer_ids)  # nothing to build: not a phase
-            return
-        with self.startup.phase("compile target steps") as phase:
-            phase.detail = _graphs_built(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
+        else:
+            with self.startup.phase("compile target steps") as phase:
+                phase.detail = _graphs_built(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
-        if warm_up_draft is not None and self.config.speculative.compile_draft:
-            with self.startup.phase("compile draft steps") as phase:
-                phase.detail = _graphs_built(warm_up_draft, "draft")
+        if warm_up_draft is None:
+            return
+        if self.config.enforce_eager or not self.config.speculative.compile_draft:
+            warm_up_draft()  # a proposer of the caller's own may warm up without compiling
+            return
+        with self.startup.phase("compile draft steps") as phase:
+            phase.detail = _graphs_built(warm_up_draft, "draft")
 
     def _load_proposer(self) -> Proposer:
         # With one shard (in this process, or the coordinator's only one) the draft shares the
