@@ -16,7 +16,9 @@ Shapes that would otherwise recompile the step:
 
 So a replica needs at most two graphs per (query length, captured layers). The engine builds them
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
-`num_compiles`; a test runs 2 x 199 decode steps). Each graph runs with the thread count that ran
+`num_compiles`; a test runs 2 x 199 decode steps). Each is compiled whole and saved in the compile
+cache folder (step_artifacts.py), so that a later start loads it in a fraction of a second instead
+of tracing it again; a graph that cannot be saved so is compiled through torch.compile. Each graph runs with the thread count that ran
 its step fastest eagerly (workers/cpu_threads.py: under OMP_WAIT_POLICY=PASSIVE one thread wins,
 spinning threads favour all of them). It is chosen before the graph is built: a graph guards on the
 thread count, and timing the compiled step with each count would build it once per count.
@@ -25,7 +27,9 @@ thread count, and timing the compiled step with each count would build it once p
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
 import types
 import weakref
 from collections.abc import Callable, Hashable
@@ -37,11 +41,14 @@ from warpspec.kernels import PagedAttentionMetadata
 from warpspec.workers.cpu_threads import torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig, uniform_query_len
 from warpspec.workers.step import SequenceStep, StepInput
+from warpspec.workers.step_artifacts import StepArtifacts, module_identity
 from warpspec.workers.torch_internals import (
     cached_graphs,
     compile_with_inductor,
     mark_dynamic,
 )
+
+logger = logging.getLogger(__name__)
 
 MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
 # The batch whose eager step picks the thread count of the graph for two or more sequences. Timed on
@@ -96,10 +103,15 @@ class CountingCompiler:
     stay symbolic. It compiles a copy of fn's code (with_own_code), so its graphs and its recompile
     limit are its own, whatever else in the process compiles fn.
 
+    With `artifacts`, a call that names its graph (`graph=`, the key its owner tells its graphs apart
+    by: query length, one sequence or more) runs that graph compiled whole (torch's AOT precompile,
+    step_artifacts.py): loaded from the folder, or compiled and saved there on its first call. It is
+    called directly, as vLLM's compiled models dispatch: no frame hook, no cache lookup, no guard.
+    The rest of this docstring is the path without artifacts, or for a graph that cannot be
+    compiled whole.
+
     After `seal()` (its owner's warm-up ran every graph it will call), a call that names its graph
-    (`graph=`, the key its owner tells its graphs apart by: query length, one sequence or more) runs
-    the code dynamo made for that graph directly, as vLLM's compiled models dispatch: no frame hook,
-    no cache lookup, no guard. Through torch.compile, even checking only the guards that tell the
+    runs the code dynamo made for that graph directly. Through torch.compile, even checking only the guards that tell the
     graphs apart (torch's skip_guard_eval_unsafe), a call cost ~0.1 ms more: 0.93 against 0.83 ms
     for the bundled target's decode step, 1.25 against 1.15 for its 4-token verification.
 
@@ -109,31 +121,82 @@ class CountingCompiler:
     eagerly). Calls without a key, or before the seal, go through torch.compile: after the seal
     checking only the distinguishing guards, since every graph of its code is its own."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, artifacts: StepArtifacts | None = None,
+                 mark_dynamic: Callable[[tuple], None] | None = None):
+        """artifacts: where graphs with a key are saved and loaded whole (step_artifacts.py); None
+        compiles them through torch.compile in every process. mark_dynamic: marks a call's varying
+        sizes before each compile (a saved graph's guards refuse arguments marked again)."""
         self.num_compiles = 0
+        self.num_loaded = 0  # graphs loaded from artifacts instead of compiled
         self.num_calls = 0
         self.num_direct_calls = 0
         self.fn = with_own_code(fn)
         self.code = getattr(self.fn, "__func__", self.fn).__code__
+        self.artifacts = artifacts
+        self.mark_dynamic = mark_dynamic or (lambda args: None)
         self.sealed = False
         self.direct_calls: dict[Hashable, Callable] = {}  # graph -> dynamo's code for it, called like fn
+        self.whole_graphs: dict[Hashable, Callable] = {}  # graph -> its saved graph (artifacts), called like fn
+        self.traced_graphs: set[Hashable] = set()  # graphs that could not be built whole: through torch.compile
         self.compiled = torch.compile(self.fn, backend=CountedInductor(self), dynamic=False)
+
+    def __getstate__(self) -> dict:
+        """Nothing: saving a graph whole pickles every object its arguments reach (dynamo's guard
+        state), its owner and so this compiler among them, whose graphs cannot be pickled. The
+        graph's guards never read the compiler."""
+        return {}
 
     def seal(self) -> None:
         self.sealed = True
 
+    def saved_thread_count(self, graph: Hashable) -> int | None:
+        """The thread count graph's saved build runs with, if it has one (step_artifacts.py)."""
+        if self.artifacts is None:
+            return None
+        return self.artifacts.saved_threads(getattr(self.fn, "__func__", self.fn).__qualname__, graph)
+
     def __call__(self, *args, graph: Hashable | None = None):
         self.num_calls += 1
+        whole = self.whole_graphs.get(graph)
+        if whole is None and graph is not None and self.artifacts is not None and graph not in self.traced_graphs:
+            whole = self._load_or_compile_whole(graph, args)
+        if whole is not None:
+            self.num_direct_calls += self.sealed
+            return whole(*args)
         direct = self.direct_calls.get(graph) if self.sealed else None
         if direct is not None:
             self.num_direct_calls += 1
             return direct(*args)
+        self.mark_dynamic(args)
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if self.sealed \
                 else contextlib.nullcontext():
             result = self.compiled(*args)
         if graph is not None and not self.sealed and graph not in self.direct_calls:
             self._keep_direct_call(graph, args)
         return result
+
+    def _load_or_compile_whole(self, graph: Hashable, args: tuple) -> Callable | None:
+        """graph's saved graph (step_artifacts.py), loaded, or compiled and saved; None when it cannot
+        be compiled whole (it is then compiled through torch.compile), with a warning."""
+        func, owner = getattr(self.fn, "__func__", self.fn), getattr(self.fn, "__self__", None)
+        bound = args if owner is None else (owner, *args)
+        path = self.artifacts.path(func.__qualname__, graph)
+        compiled = self.artifacts.load(path, bound)
+        if compiled is not None:
+            self.num_loaded += 1
+        else:
+            self.mark_dynamic(args)
+            try:
+                compiled = self.artifacts.compile(func, bound, INDUCTOR_PATCHES, path)
+            except Exception as error:  # noqa: BLE001 - torch.compile's own path still serves it
+                logger.warning("%s's graph %r cannot be compiled whole (%s: %s); compiling it through "
+                               "torch.compile in every start", func.__qualname__, graph, type(error).__name__,
+                               (str(error).splitlines() or [''])[0][:200])
+                self.traced_graphs.add(graph)
+                return None
+            self.num_compiles += 1
+        self.whole_graphs[graph] = compiled if owner is None else functools.partial(compiled, owner)
+        return self.whole_graphs[graph]
 
     def _keep_direct_call(self, graph: Hashable, args: tuple) -> None:
         """The code of the cached graph whose guards pass for args (in the caller's global state:
@@ -153,7 +216,7 @@ class CountingCompiler:
         """Whether every graph dynamo holds for this code was built by this instance (what its own
         copy of the code guarantees; tests hold it)."""
         graphs = cached_graphs(self.code)
-        return graphs is not None and len(graphs) == self.num_compiles
+        return graphs is not None and len(graphs) == self.num_compiles - len(self.whole_graphs) + self.num_loaded
 
 
 def widen_block_tables(block_tables: torch.Tensor) -> torch.Tensor:
@@ -173,6 +236,15 @@ def mark_step_dynamic(per_batch: tuple[torch.Tensor, ...], block_tables: torch.T
     mark_dynamic(block_tables, 1)
 
 
+def step_marker(block_tables_at: int) -> Callable[[tuple], None]:
+    """mark_step_dynamic for a uniform step's arguments: its tensors, with the block tables at
+    block_tables_at and the sequence lengths just before them (CountingCompiler's mark_dynamic)."""
+    def mark(args: tuple) -> None:
+        tensors = tuple(arg for arg in args if isinstance(arg, torch.Tensor))
+        mark_step_dynamic(tensors, args[block_tables_at], args[block_tables_at - 1].shape[0])
+    return mark
+
+
 class CompiledStepRunner:
     """Runs uniform steps through torch.compile'd forwards; `run` returns None for any other step.
 
@@ -183,7 +255,8 @@ class CompiledStepRunner:
         self.config = config
         self.block_size = block_size
         self.max_blocks = -(-config.max_model_len // block_size)
-        self.compiled = CountingCompiler(self._forward)
+        self.compiled = CountingCompiler(self._forward, StepArtifacts(f"{module_identity(model)} {block_size}"),
+                                         mark_dynamic=step_marker(4))
         # (query length, one sequence) -> the thread count its graph runs fastest with (set_threads)
         self.thread_counts: dict[tuple[int, bool], int] = {}
 
@@ -209,13 +282,15 @@ class CompiledStepRunner:
         block_tables = widen_block_tables(step.block_tables)
         inputs = (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                   step.slot_mapping)
-        mark_step_dynamic(inputs, block_tables, step.seq_lens.shape[0])
         with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
             return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids), graph=self._graph_of(step))
 
     @staticmethod
     def _graph_of(step: StepInput) -> tuple[int, bool]:
         return step.max_query_len, step.seq_lens.shape[0] == 1
+
+    def saved_thread_count(self, step: StepInput) -> int | None:
+        return self.compiled.saved_thread_count(self._graph_of(step))
 
     def set_threads(self, step: StepInput, count: int) -> None:
         """Run step's graph with count threads. Set it before the graph is built: the graph guards

@@ -86,15 +86,18 @@ class ModelRunner:
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
         request waits for them (CompiledStepRunner.warm_up_steps), each with the thread count that
-        runs its step fastest eagerly; then steps check only the guards that tell the graphs apart
-        (CountingCompiler.seal). Nothing to do otherwise. Over several ranks every rank warms up at
-        once, on the same steps: they meet in each step's collectives."""
+        runs its step fastest eagerly or that its saved build has (step_artifacts.py); then steps
+        check only the guards that tell the graphs apart (CountingCompiler.seal). Nothing to do
+        otherwise. Over several ranks every rank warms up at once, on the same steps: they meet in
+        each step's collectives."""
         if isinstance(self.graph_runner, CompiledStepRunner):
             steps = self.graph_runner.warm_up_steps(aux_layer_ids)
             for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):
-                with torch.inference_mode():
-                    sample = self.graph_runner.thread_sample(step)
-                    count, _ = fastest_thread_count(lambda sample=sample: self._eager_forward(sample))
+                count = self.graph_runner.saved_thread_count(step)
+                if count is None:
+                    with torch.inference_mode():
+                        sample = self.graph_runner.thread_sample(step)
+                        count, _ = fastest_thread_count(lambda sample=sample: self._eager_forward(sample))
                 self.graph_runner.set_threads(step, count)
                 self.execute(step)
             self.graph_runner.compiled.seal()

@@ -43,7 +43,7 @@ from warpspec.tokenizer import Tokenizer
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
 from warpspec.workers.step import SequenceStep, StepPlan
-from warpspec.workers.torch_internals import fx_graph_cache_counts
+from warpspec.workers.step_artifacts import graphs_built
 
 
 class Executor(Protocol):
@@ -62,9 +62,9 @@ class Executor(Protocol):
 
 def _graphs_built(warm_up, whose: str) -> str:
     """Run warm_up; say how many graphs this process loaded from the compile cache and compiled."""
-    hits, misses = fx_graph_cache_counts()
+    hits, misses = graphs_built()
     warm_up()
-    new_hits, new_misses = fx_graph_cache_counts()
+    new_hits, new_misses = graphs_built()
     return f"{whose}: {new_hits - hits} graphs loaded from the compile cache, {new_misses - misses} compiled"
 
 

@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config.engine import EngineConfig
 from warpspec.workers.compile_cache import build_fingerprint, list_files, pack, unpack
-from warpspec.workers.torch_internals import fx_graph_cache_counts
+from warpspec.workers.step_artifacts import graphs_built
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +132,11 @@ def shared_compile_cache(folder: Path, key: str, fingerprint: dict[str, str]):
         else:
             logger.warning("compile cache %s: the cluster's bundle is not used, %s; compiling", key, refused)
     before_files = list_files(folder)
-    hits, misses = fx_graph_cache_counts()
+    hits, misses = graphs_built()
     start = time.perf_counter()
     yield
     warm_up_s = time.perf_counter() - start
-    new_hits, new_misses = fx_graph_cache_counts()
+    new_hits, new_misses = graphs_built()
     published = 0
     try:
         if data is None or refused is not None:

@@ -8,7 +8,7 @@ The gRPC servicers are cluster-wide Serve settings, not per application: the con
       port: 9000
       grpc_servicer_functions:
         - warpspec.serving.grpc_servicers.add_GenerationServicer_to_server
-        - grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server
+        - warpspec.serving.grpc_servicers.add_HealthServicer_to_server
     applications:
       - name: warpspec
         route_prefix: /

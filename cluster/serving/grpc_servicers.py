@@ -19,6 +19,13 @@ the replica generates the whole request for nobody. Which of the two happens is 
 `_cancel_propagating` closes the race: the proxy's generator runs in a task of its own that is only
 ever suspended awaiting the replica, and a client that goes away cancels that task.
 
+Health while no replica runs. Serve only sends a request to a replica that has finished starting
+(loaded, compiled, warmed up), and until one has, the proxy holds every request, health checks
+included: a stock client saw DEADLINE_EXCEEDED for the 4 minutes a replica took to start. Health is
+answered here instead while the application has no running replica: NOT_SERVING at once, read from
+Serve's status (`serve.status()`, at most once a second). Once a replica runs, it answers itself
+(NOT_SERVING while it rebuilds after a failure).
+
 A replica that dies mid-request (its node or process gone). The proxy reports Ray's ActorDiedError /
 ActorUnavailableError as INTERNAL ("The actor ... is unavailable"), though the request did nothing
 wrong and another replica can serve it: `_lost_replica_is_unavailable` makes that UNAVAILABLE, the
@@ -31,10 +38,12 @@ import asyncio
 import contextlib
 import inspect
 import re
+import time
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 
@@ -153,3 +162,72 @@ def add_GenerationServicer_to_server(servicer, server) -> None:  # noqa: N802 - 
                                      request_deserializer=_tolerant_parser(request_type),
                                      response_serializer=response_type.SerializeToString)
     server.add_generic_rpc_handlers((GenerationHandlers(handlers),))
+
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"]
+STATUS_TTL_S = 1.0  # how long the proxy trusts one read of Serve's status
+_status: tuple[float, object] | None = None  # (when read, serve.status())
+
+
+async def _serve_status():
+    """serve.status(), read in a thread (it blocks) and kept for STATUS_TTL_S; None if unreadable."""
+    global _status
+    if _status is None or time.monotonic() - _status[0] > STATUS_TTL_S:
+        from ray import serve
+
+        try:
+            _status = (time.monotonic(), await asyncio.to_thread(serve.status))
+        except Exception:  # noqa: BLE001 - no status: Serve routes the check as it would
+            return None
+    return _status[1]
+
+
+async def _no_replica_runs(context) -> bool:
+    """Whether the application the call names (gRPC metadata `application`, else the only one) is
+    known to Serve and has no running replica yet."""
+    status = await _serve_status()
+    if status is None:
+        return False
+    named = dict(context.invocation_metadata() or ()).get("application")
+    apps = status.applications
+    app = apps.get(named) if named else next(iter(apps.values())) if len(apps) == 1 else None
+    if app is None:
+        return False
+    return not any(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
+
+
+def _not_serving_until_a_replica_runs(check_handler):
+    async def handler(request, context):
+        if await _no_replica_runs(context):
+            # Serve's routing handlers send back the replica's bytes: so does this one.
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING).SerializeToString()
+        return await check_handler(request, context)
+    return handler
+
+
+class HealthHandlers(grpc.ServiceRpcHandler):
+    """grpc.health.v1.Health through Serve's proxy, with Check answered NOT_SERVING while the
+    application has no running replica (the module docstring). Wrapped at lookup, as
+    GenerationHandlers are."""
+
+    def __init__(self, method_handlers: dict[str, grpc.RpcMethodHandler]):
+        self._method_handlers = {f"/{HEALTH_SERVICE.full_name}/{name}": h for name, h in method_handlers.items()}
+
+    def service_name(self) -> str:
+        return HEALTH_SERVICE.full_name
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._method_handlers.get(handler_call_details.method)
+        if handler is not None and handler_call_details.method.endswith("/Check") \
+                and inspect.iscoroutinefunction(handler.unary_unary):
+            handler = handler._replace(unary_unary=_not_serving_until_a_replica_runs(handler.unary_unary))
+        return handler
+
+
+def add_HealthServicer_to_server(servicer, server) -> None:  # noqa: N802 - the name grpc's codegen uses
+    make = {False: grpc.unary_unary_rpc_method_handler, True: grpc.unary_stream_rpc_method_handler}
+    handlers = {method.name: make[method.server_streaming](
+                    getattr(servicer, method.name), request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                    response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+                for method in HEALTH_SERVICE.methods}
+    server.add_generic_rpc_handlers((HealthHandlers(handlers),))

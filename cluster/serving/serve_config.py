@@ -19,8 +19,9 @@ from warpspec.serving.limits import MIB, RequestLimits
 GRPC_SERVICER_FUNCTIONS = [
     # The generated servicer's handlers, with parsing that turns malformed bytes into INVALID_ARGUMENT.
     "warpspec.serving.grpc_servicers.add_GenerationServicer_to_server",
-    # The standard health service, answered by the replica's Check method (Kubernetes gRPC probes).
-    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+    # The standard health service, answered by the replica's Check method (Kubernetes gRPC probes),
+    # and NOT_SERVING by the proxy while no replica has started.
+    "warpspec.serving.grpc_servicers.add_HealthServicer_to_server",
 ]
 DEFAULT_APP_NAME = "warpspec"
 

@@ -46,7 +46,7 @@ from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
     THREAD_SAMPLE_SEQS,
     CountingCompiler,
-    mark_step_dynamic,
+    step_marker,
     widen_block_tables,
 )
 from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
@@ -54,6 +54,7 @@ from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
+from warpspec.workers.step_artifacts import StepArtifacts, module_identity
 from warpspec.workers.torch_internals import mark_dynamic
 
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
@@ -70,7 +71,11 @@ class CompiledWithFallback:
         self.failed = False
 
     def __call__(self, *args: torch.Tensor, graph: Hashable | None = None):
-        """graph: the key of the step's graph, for a CountingCompiler (its direct calls)."""
+        """graph: the key of the step's graph, for a CountingCompiler (its direct calls). Inside a
+        graph being compiled (a whole draft step) fn is traced as it is: a saved step graph's guards
+        would otherwise hold this torch.compile, which does not pickle (workers/step_artifacts.py)."""
+        if torch.compiler.is_compiling():
+            return self.eager(*args)
         if not self.failed:
             try:
                 return self.compiled(*args) if graph is None else self.compiled(*args, graph=graph)
@@ -124,15 +129,23 @@ class Eagle3Proposer:
             draft.before_attention = CompiledWithFallback(draft.before_attention, "the EAGLE-3 draft")
             draft.after_attention = CompiledWithFallback(draft.after_attention, "the EAGLE-3 draft")
             if self.device.type == "cpu":
+                # Saved whole and loaded by name (workers/step_artifacts.py): their guards refuse every
+                # later start, as the KV cache is marked dynamic for its whole life and the draft's
+                # rotary and vocabulary-map tensors were made outside inference mode. The name holds
+                # what the graphs are specialized on: the draft's weights' shapes, its config, the
+                # block size and the catch-up length; thread counts and step shapes are in the key.
+                artifacts = StepArtifacts(f"{module_identity(draft)} {block_size} {self.catch_up_len}",
+                                          check_guards=False)
                 # The k - 1 steps after the catch-up run one token per request: on a CPU the whole
                 # step, attention included, is one compiled graph (workers/compiled_step.py).
-                self.decode_compiler = CountingCompiler(self._decode_forward)
+                self.decode_compiler = CountingCompiler(self._decode_forward, artifacts, step_marker(5))
                 self.compiled_decode = CompiledWithFallback(self._decode_forward, "the EAGLE-3 draft's decode step",
                                                             compiled=self.decode_compiler)
-                self.catch_up_compiler = CountingCompiler(self._catch_up_forward)
+                self.catch_up_compiler = CountingCompiler(self._catch_up_forward, artifacts, step_marker(5))
                 self.compiled_catch_up = CompiledWithFallback(self._catch_up_forward, "the EAGLE-3 draft's catch-up",
                                                               compiled=self.catch_up_compiler)
-                self.greedy_proposal_compiler = CountingCompiler(self._greedy_proposal_forward)
+                self.greedy_proposal_compiler = CountingCompiler(self._greedy_proposal_forward, artifacts,
+                                                                 step_marker(5))
                 self.compiled_greedy_proposal = CompiledWithFallback(
                     self._greedy_proposal_forward, "the EAGLE-3 draft's greedy proposal",
                     compiled=self.greedy_proposal_compiler)
@@ -205,21 +218,17 @@ class Eagle3Proposer:
     def _compiled_inputs(step: StepInput, features: torch.Tensor,
                          last_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The arguments of _decode_forward, or with last_rows of _catch_up_forward: block tables
-        widened, the varying sizes marked dynamic (workers/compiled_step.py)."""
+        widened (workers/compiled_step.py)."""
         block_tables = widen_block_tables(step.block_tables)
-        inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
-                  step.slot_mapping, *(() if last_rows is None else (last_rows,)))
-        mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
-        return inputs
+        return (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
+                step.slot_mapping, *(() if last_rows is None else (last_rows,)))
 
     @staticmethod
     def _greedy_proposal_inputs(step: StepInput, features: torch.Tensor, block_tables: torch.Tensor,
                                 last: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The arguments of _greedy_proposal_forward, the varying sizes marked dynamic."""
-        inputs = (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
-                  step.slot_mapping, last)
-        mark_step_dynamic(inputs, block_tables, len(step.seq_lens))
-        return inputs
+        """The arguments of _greedy_proposal_forward."""
+        return (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
+                step.slot_mapping, last)
 
     @staticmethod
     def _graph_of(step: StepInput) -> tuple[int, bool]:
@@ -286,7 +295,8 @@ class Eagle3Proposer:
     def warm_up(self) -> None:
         """Build the compiled graphs before the first request needs them: the padded catch-up, the
         decode step and the greedy proposal, each for one request and for two, with the thread count
-        that runs it fastest eagerly (chosen first: a graph guards on the count it was built with);
+        that runs it fastest eagerly (chosen first: a graph guards on the count it was built with) or
+        that its saved build has (workers/step_artifacts.py);
         then the dense halves a prompt's catch-up runs. A graph for two or more requests serves every
         batch, so its count is timed on THREAD_SAMPLE_SEQS requests, as the target's is
         (workers/compiled_step.py). The steps write into the first blocks, which no request holds
@@ -298,7 +308,9 @@ class Eagle3Proposer:
             graphs = self._warm_up_graphs(1 if one else 2)
             samples = graphs if one else self._warm_up_graphs(THREAD_SAMPLE_SEQS)
             for (graph, compiled, eager, inputs), (*_, sample) in zip(graphs, samples, strict=True):
-                self.thread_counts[graph], _ = fastest_thread_count(lambda sample=sample, eager=eager: eager(*sample))
+                saved = compiled.compiled.saved_thread_count(graph)
+                self.thread_counts[graph] = saved if saved is not None else \
+                    fastest_thread_count(lambda sample=sample, eager=eager: eager(*sample))[0]
                 self._run_compiled(compiled, inputs, graph)
                 progress.update()
         progress.close()

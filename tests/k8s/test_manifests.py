@@ -187,7 +187,7 @@ def test_serve_config_validates_against_ray_serve_schema(where, config):
     assert_known_keys(gRPCOptionsSchema, config.get("grpc_options", {}), f"{where} grpc_options")
     for app in config["applications"]:
         assert_known_keys(ServeApplicationSchema, app, f"{where} application {app.get('name')}")
-    assert "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server" in \
+    assert "warpspec.serving.grpc_servicers.add_HealthServicer_to_server" in \
         config["grpc_options"]["grpc_servicer_functions"], f"{where}: the gRPC probes need the health service"
 
 

@@ -6,12 +6,15 @@ Serve is shut down at the end; the Ray cluster belongs to the ray_cluster fixtur
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from warpspec.serving.serve_cli import free_local_port, set_serving_environment
 from warpspec.training.random_checkpoint import create_random_checkpoint
@@ -30,6 +33,7 @@ class Stack:
     grpc_target: str  # host:port of Serve's gRPC proxy
     http_base: str  # http://host:port of Serve's HTTP proxy
     model_path: Path
+    startup_health: list[str]  # what a health client polling during start-up was told (HealthProbe)
 
     def stats(self) -> dict:
         with urllib.request.urlopen(f"{self.http_base}/admin/stats", timeout=10) as reply:
@@ -85,11 +89,42 @@ def serving_stack(ray_cluster, serving_checkpoint):
 
     grpc_port, http_port = free_local_port(), free_local_port()
     args = {"model": str(serving_checkpoint), "model_name": MODEL_NAME, **ENGINE_ARGS}
-    start_serving(args, grpc_port=grpc_port, http_port=http_port, host="127.0.0.1")
+    probe = HealthProbe(f"127.0.0.1:{grpc_port}")
+    probe.start()
     try:
-        yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", serving_checkpoint)
+        start_serving(args, grpc_port=grpc_port, http_port=http_port, host="127.0.0.1")
+    finally:
+        probe.stop()
+    try:
+        yield Stack(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", serving_checkpoint, probe.seen)
     finally:
         serve.shutdown()
+
+
+class HealthProbe(threading.Thread):
+    """A stock gRPC health client polling while the stack starts, as a Kubernetes probe would: each
+    answer it got, in order, repeats dropped (a status name, or the error code's)."""
+
+    def __init__(self, target: str):
+        super().__init__(daemon=True)
+        self.target, self.seen, self.done = target, [], threading.Event()
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not self.done.is_set():
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    answer = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                except grpc.RpcError as error:
+                    answer = error.code().name
+                if not self.seen or self.seen[-1] != answer:
+                    self.seen.append(answer)
+                self.done.wait(0.2)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join()
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,16 @@ def test_standard_health_service(channel):
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_health_says_not_serving_while_the_replica_starts_and_never_leaves_a_probe_waiting(serving_stack):
+    """Polled while the stack deployed: the proxy answered for the replica until it had started
+    (loaded, warmed up), so a probe with a 2 s deadline was never left waiting."""
+    seen = serving_stack.startup_health
+    assert "NOT_SERVING" in seen and "DEADLINE_EXCEEDED" not in seen, seen
+    # Before the proxy listens: UNAVAILABLE; before Serve knows the application: NOT_FOUND.
+    assert set(seen) <= {"UNAVAILABLE", "NOT_FOUND", "NOT_SERVING", "SERVING"}, seen
+    assert "SERVING" not in seen[: seen.index("NOT_SERVING")], seen
+
+
 @pytest.mark.parametrize("request_, field", [
     (pb.GenerateRequest(), "needs a prompt"),
     (pb.GenerateRequest(prompt=""), "prompt is empty"),  # a oneof member set to "" is still set

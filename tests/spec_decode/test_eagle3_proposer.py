@@ -12,7 +12,7 @@ from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest
-from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS
+from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CountingCompiler
 from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
 from warpspec.workers.model_config import ModelConfig
@@ -121,6 +121,8 @@ def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larg
         return 2, {}
 
     monkeypatch.setattr("warpspec.spec_decode.eagle3.fastest_thread_count", first_rows_of)
+    # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
+    monkeypatch.setattr(CountingCompiler, "saved_thread_count", lambda self, graph: None)
     # Timing is the subject, not building: the compiled steps are not run.
     monkeypatch.setattr(Eagle3Proposer, "_run_compiled", lambda self, compiled, inputs, graph: None)
     monkeypatch.setattr(Eagle3Proposer, "_run", lambda self, plan, features: None)

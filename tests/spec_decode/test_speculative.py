@@ -19,6 +19,7 @@ from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.step_artifacts import graphs_built
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -194,7 +195,11 @@ def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
 @pytest.mark.slow
 def test_compiled_draft_is_still_lossless(target, draft, reference):
     with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3, enforce_eager=False) as llm:
+        built = graphs_built()  # by start-up: every graph built or loaded
         outs = llm.generate(_prompts(), GREEDY)
+        llm.generate(_prompts()[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))
+        # Nothing compiled or loaded on the request path, greedy or sampled, alone or batched.
+        assert graphs_built() == built
         proposer = llm.engine.proposer
         assert not proposer.draft.before_attention.failed  # it really ran compiled
         # The single-token draft steps ran as one graph each for one request and for more; greedy

@@ -264,6 +264,8 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
         # One sequence's decode graph: 1 thread; more sequences': 2 (as if the timing had said so).
         choices = iter([1, 2])
         monkeypatch.setattr("warpspec.workers.runner.fastest_thread_count", lambda run: (next(choices), {}))
+        # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
+        monkeypatch.setattr(CompiledStepRunner, "saved_thread_count", lambda self, step: None)
         runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=16),
                              cuda_graphs=CudaGraphConfig(batch_sizes=(1, 2), query_lens=(1,), max_model_len=64))
         runner.warm_up([])
@@ -277,6 +279,14 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
             assert torch.get_num_threads() == 2  # restored after the step
         assert recorder.counts == [1, 2, 1]
         assert runner.graph_runner.num_compiles == compiles  # each graph was built with its count
+        # A later start takes each graph's count from its saved build, without timing.
+        monkeypatch.undo()
+        monkeypatch.setattr("warpspec.workers.runner.fastest_thread_count", lambda run: pytest.fail("timed"))
+        again = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=16),
+                            cuda_graphs=CudaGraphConfig(batch_sizes=(1, 2), query_lens=(1,), max_model_len=64))
+        again.warm_up([])
+        assert again.graph_runner.thread_counts == {(1, True): 1, (1, False): 2}
+        assert (again.graph_runner.num_compiles, again.graph_runner.compiled.num_loaded) == (0, 2)
     finally:
         torch.set_num_threads(before)
 
