@@ -18,10 +18,11 @@ So a replica needs at most two graphs per (query length, captured layers). The e
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
 `num_compiles`; a test runs 2 x 199 decode steps). Each is compiled whole and saved in the compile
 cache folder (step_artifacts.py), so that a later start loads it in a fraction of a second instead
-of tracing it again; a graph that cannot be saved so is compiled through torch.compile. Each graph runs with the thread count that ran
-its step fastest eagerly (workers/cpu_threads.py: under OMP_WAIT_POLICY=PASSIVE one thread wins,
-spinning threads favour all of them). It is chosen before the graph is built: a graph guards on the
-thread count, and timing the compiled step with each count would build it once per count.
+of tracing it again; a graph that cannot be saved so is compiled through torch.compile. Each graph
+runs with the thread count that ran its step fastest eagerly (workers/cpu_threads.py: under
+OMP_WAIT_POLICY=PASSIVE one thread wins, spinning threads favour all of them). It is chosen
+before the graph is built: a graph guards on the thread count, and timing the compiled step with
+each count would build it once per count.
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ class CountingCompiler:
     compiled whole.
 
     After `seal()` (its owner's warm-up ran every graph it will call), a call that names its graph
-    runs the code dynamo made for that graph directly. Through torch.compile, even checking only the guards that tell the
-    graphs apart (torch's skip_guard_eval_unsafe), a call cost ~0.1 ms more: 0.93 against 0.83 ms
-    for the bundled target's decode step, 1.25 against 1.15 for its 4-token verification.
+    runs the code dynamo made for that graph directly. Through torch.compile, even checking only the
+    guards that tell the graphs apart (torch's skip_guard_eval_unsafe), a call cost ~0.1 ms more:
+    0.93 against 0.83 ms for the bundled target's decode step, 1.25 against 1.15 for its 4-token
+    verification.
 
     Which code: the warm-up call of each graph looks it up as dynamo does, the cached graph whose
     guards pass for that call, once. The code reads the weights of the frame it runs in, this
