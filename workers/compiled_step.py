@@ -179,7 +179,9 @@ class CountingCompiler:
 
     def _load_or_compile_whole(self, graph: Hashable, args: tuple) -> Callable | None:
         """graph's saved graph (step_artifacts.py), loaded, or compiled and saved; None when it cannot
-        be compiled whole (it is then compiled through torch.compile), with a warning."""
+        be compiled whole (it is then compiled through torch.compile), with the reason in the log: a
+        graph break, or a rank of several, whose graphs reach its communicator (shared memory, a
+        process group), which does not pickle."""
         func, owner = getattr(self.fn, "__func__", self.fn), getattr(self.fn, "__self__", None)
         bound = args if owner is None else (owner, *args)
         path = self.artifacts.path(func.__qualname__, graph)
@@ -191,7 +193,7 @@ class CountingCompiler:
             try:
                 compiled = self.artifacts.compile(func, bound, INDUCTOR_PATCHES, path)
             except Exception as error:  # noqa: BLE001 - torch.compile's own path still serves it
-                logger.warning("%s's graph %r cannot be compiled whole (%s: %s); compiling it through "
+                logger.info("%s's graph %r cannot be compiled whole (%s: %s); compiling it through "
                                "torch.compile in every start", func.__qualname__, graph, type(error).__name__,
                                (str(error).splitlines() or [''])[0][:200])
                 self.traced_graphs.add(graph)
@@ -257,7 +259,10 @@ class CompiledStepRunner:
         self.config = config
         self.block_size = block_size
         self.max_blocks = -(-config.max_model_len // block_size)
-        self.compiled = CountingCompiler(self._forward, StepArtifacts(f"{module_identity(model)} {block_size}"),
+        # A rank's graphs are its own: ranks of one shape share a folder on one host.
+        comm = getattr(model, "comm", None)
+        where = f"rank {getattr(comm, 'rank', 0)} of {getattr(comm, 'world_size', 1)} {type(comm).__name__}"
+        self.compiled = CountingCompiler(self._forward, StepArtifacts(f"{module_identity(model)} {block_size} {where}"),
                                          mark_dynamic=step_marker(4))
         # (query length, one sequence) -> the thread count its graph runs fastest with (set_threads)
         self.thread_counts: dict[tuple[int, bool], int] = {}

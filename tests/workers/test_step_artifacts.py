@@ -90,10 +90,10 @@ def test_models_of_other_shapes_have_other_identities():
     assert module_identity(Scale(16)) == module_identity(Scale(16, factor=5.0))  # the guards tell these apart
 
 
-def test_a_graph_with_a_break_is_compiled_through_torch_compile_with_a_warning(tmp_path, caplog):
+def test_a_graph_with_a_break_is_compiled_through_torch_compile_saying_why(tmp_path, caplog):
     compiled = CountingCompiler(broken, StepArtifacts("broken", tmp_path))
     x = torch.randn(4)
-    with caplog.at_level(logging.WARNING, logger="warpspec.workers.compiled_step"):
+    with caplog.at_level(logging.INFO, logger="warpspec.workers.compiled_step"):
         torch.testing.assert_close(compiled(x, graph="step"), (x + 1) * 2)
     assert "cannot be compiled whole" in caplog.text and "step" in compiled.traced_graphs
     assert compiled.num_compiles == 2 and not compiled.whole_graphs  # the two halves, by dynamo
