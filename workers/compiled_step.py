@@ -105,9 +105,10 @@ class CountingCompiler:
     limit are its own, whatever else in the process compiles fn.
 
     With `artifacts`, a call that names its graph (`graph=`, the key its owner tells its graphs apart
-    by: query length, one sequence or more) runs that graph compiled whole (torch's AOT precompile,
-    step_artifacts.py): loaded from the folder, or compiled and saved there on its first call. It is
-    called directly, as vLLM's compiled models dispatch: no frame hook, no cache lookup, no guard.
+    by: query length, one sequence or more, the aux layers a draft reads) runs that graph compiled
+    whole (torch's AOT precompile, step_artifacts.py): loaded from the folder, or compiled and saved
+    there on its first call. It is called directly, as vLLM's compiled models dispatch: no frame
+    hook, no cache lookup, no guard.
     The rest of this docstring is the path without artifacts, or for a graph that cannot be
     compiled whole.
 
@@ -290,14 +291,20 @@ class CompiledStepRunner:
         inputs = (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                   step.slot_mapping)
         with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
-            return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids), graph=self._graph_of(step))
+            return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids), graph=self._saved_as(step))
 
     @staticmethod
     def _graph_of(step: StepInput) -> tuple[int, bool]:
         return step.max_query_len, step.seq_lens.shape[0] == 1
 
+    def _saved_as(self, step: StepInput) -> tuple:
+        """step's graph as its saved file names it: the aux layers too, since a target serving a draft
+        returns their hidden states and builds another graph (one key for both made each start
+        replace the other's file)."""
+        return *self._graph_of(step), tuple(step.aux_layer_ids)
+
     def saved_thread_count(self, step: StepInput) -> int | None:
-        return self.compiled.saved_thread_count(self._graph_of(step))
+        return self.compiled.saved_thread_count(self._saved_as(step))
 
     def set_threads(self, step: StepInput, count: int) -> None:
         """Run step's graph with count threads. Set it before the graph is built: the graph guards

@@ -287,6 +287,11 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
         again.warm_up([])
         assert again.graph_runner.thread_counts == {(1, True): 1, (1, False): 2}
         assert (again.graph_runner.num_compiles, again.graph_runner.compiled.num_loaded) == (0, 2)
+        # A target serving a draft returns aux layers' hidden states: another graph, saved apart, so
+        # that a plain start and a start with the draft do not replace each other's files.
+        with_aux = StepInput.build([SequenceStep([5], 3, [0], 0)], BLOCK, [1])
+        assert again.graph_runner.saved_thread_count(one) == 1
+        assert again.graph_runner.saved_thread_count(with_aux) is None
     finally:
         torch.set_num_threads(before)
 

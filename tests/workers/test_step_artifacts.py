@@ -82,7 +82,8 @@ def test_a_graph_built_for_another_model_fails_its_guards_and_is_compiled_again(
     with caplog.at_level(logging.INFO, logger="warpspec.workers.step_artifacts"):
         torch.testing.assert_close(compiled(x, graph="step"), other.step(x))
     assert (compiled.num_compiles, compiled.num_loaded) == (1, 0)
-    assert "its guards fail" in caplog.text
+    # The log names the guard (read through dynamo's private guard manager: this fails if it moves).
+    assert "its guards fail" in caplog.text and "factor" in caplog.text and "reason unknown" not in caplog.text
 
 
 def test_models_of_other_shapes_have_other_identities():
