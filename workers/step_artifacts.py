@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from warpspec.workers.torch_internals import fx_graph_cache_counts, inductor_default_cache_dir
+from warpspec.workers.torch_internals import failed_guard, fx_graph_cache_counts, inductor_default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class StepArtifacts:
                 _built["loaded"] += 1
                 os.utime(path)  # the build last used: saved_threads
                 return compiled
-            reason = f"its guards fail for this model or these inputs ({_failed_guard(compiled, args)})"
+            reason = f"its guards fail for this model or these inputs ({failed_guard(compiled, args)[:300]})"
         except Exception as error:  # noqa: BLE001 - a file that does not load is rebuilt, whatever the cause
             reason = f"it does not load ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]})"
         logger.info("compiled step %s is not used, %s; compiling it again", path.name, reason)
@@ -146,12 +146,3 @@ class StepArtifacts:
                            path.name, type(error).__name__, (str(error).splitlines() or [''])[0][:200])
         return compiled
 
-
-def _failed_guard(compiled, args: tuple) -> str:
-    """The first guard of a loaded graph that args fail, as dynamo words it (its AOT API has no public
-    accessor for the reason; checked against torch 2.13)."""
-    try:
-        f_locals = compiled.prepare_f_locals(*args)
-        return str(compiled._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)[:300]
-    except Exception as error:  # noqa: BLE001 - only the log's wording depends on it
-        return f"reason unknown: {type(error).__name__}"

@@ -16,6 +16,12 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
   torch has no public handle on a compiled graph's code; vLLM's compiled models read it the same way.
 - torch._dynamo.mark_dynamic: a size to keep symbolic in a graph compiled with dynamic=False. It is
   the documented way (torch.compile's dynamic-shapes guide), but torch.compiler does not export it.
+- duck shaping off (torch.fx.experimental._config.use_duck_shape, the switch dynamo's own
+  specialization message names): with it on, sizes equal at the first compile share one symbol, and
+  a size a weight fixes fixes every size equal to it. torch.compile takes no option for it.
+- a saved graph's failing guard (AOTCompiledFunction.prepare_f_locals and its guard manager's
+  check_verbose): the log says which guard refused a saved step graph; the AOT API returns only a
+  bool.
 
 Left outside: kernels/fp8.py calls torch._scaled_mm on FP8 GPUs (the kernels import nothing above
 them). torch 2.13 has a public torch.nn.functional.scaled_mm; moving to it wants a GPU to check.
@@ -23,8 +29,9 @@ them). torch 2.13 has a public torch.nn.functional.scaled_mm; moving to it wants
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 TORCH_CHECKED = "2.13.0"
@@ -69,3 +76,19 @@ def cached_graphs(code: types.CodeType) -> list[CachedGraph] | None:
     except ImportError:
         return None
     return [CachedGraph(entry.code, entry.guard_manager.check) for entry in _debug_get_cache_entry_list(code)]
+
+
+@contextlib.contextmanager
+def without_duck_shapes() -> Iterator[None]:
+    """Graphs dynamo traces inside give every size its own symbol."""
+    from torch.fx.experimental import _config
+
+    with _config.patch(use_duck_shape=False):
+        yield
+
+
+def failed_guard(compiled, args: tuple) -> str:
+    """The guards of a loaded AOT-compiled function (torch.compiler.load_compiled_function) that
+    args fail, as dynamo words them."""
+    f_locals = compiled.prepare_f_locals(*args)
+    return str(compiled._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)

@@ -33,6 +33,7 @@ host, so they keep one graph per step. On a GPU that greedy proposal replays a C
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Hashable
 
@@ -55,7 +56,7 @@ from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
 from warpspec.workers.step_artifacts import StepArtifacts, module_identity
-from warpspec.workers.torch_internals import mark_dynamic
+from warpspec.workers.torch_internals import mark_dynamic, without_duck_shapes
 
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
 
@@ -65,9 +66,13 @@ class CompiledWithFallback:
     code fails, warn once and run the function eagerly from then on."""
 
     def __init__(self, fn, name: str, compiled=None):
-        """compiled: fn compiled another way than with dynamic shapes throughout."""
+        """compiled: fn compiled another way than with dynamic shapes throughout. With dynamic
+        shapes, duck shaping is off: the warm-up's token count (2 catch-ups) can equal a size the
+        weights fix (head_dim / 2 for the rotary table), and sharing its symbol fixed the count, so
+        the first prompt of another length compiled on the request path."""
         self.eager, self.name = fn, name
         self.compiled = compiled or torch.compile(fn, dynamic=True)
+        self.tracing = contextlib.nullcontext if compiled is not None else without_duck_shapes
         self.failed = False
 
     def __call__(self, *args: torch.Tensor, graph: Hashable | None = None):
@@ -78,7 +83,8 @@ class CompiledWithFallback:
             return self.eager(*args)
         if not self.failed:
             try:
-                return self.compiled(*args) if graph is None else self.compiled(*args, graph=graph)
+                with self.tracing():
+                    return self.compiled(*args) if graph is None else self.compiled(*args, graph=graph)
             except Exception as error:  # noqa: BLE001 - any compiler failure means: run eagerly
                 warnings.warn(f"torch.compile of {self.name} failed ({type(error).__name__}: {error}); "
                               "running it eagerly", stacklevel=2)

@@ -10,12 +10,13 @@ import torch
 from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
 from warpspec.sample.keyed_random import KeyedRandom
-from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, Eagle3Proposer
+from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, CompiledWithFallback, Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest
 from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CountingCompiler
 from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.torch_internals import fx_graph_cache_counts
 
 BLOCK = 4
 K = 3
@@ -132,3 +133,29 @@ def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larg
     assert timed_rows == [K + 1, 1, K + 1, n * (K + 1), n, n * (K + 1)]
     graphs = (K + 1, 1, GREEDY_PROPOSAL)
     assert proposer.thread_counts == {(graph, one): 2 for graph in graphs for one in (True, False)}
+
+
+class Rotate(torch.nn.Module):
+    """A half like the draft's before_attention: rows of x times a table whose size (8) is the row
+    count the warm-up calls it with."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.arange(8.0)
+
+    def forward(self, x):
+        return x[:, :8] * self.table
+
+
+def test_a_dynamic_half_warmed_up_at_a_size_equal_to_a_constant_compiles_once_for_every_size():
+    """Duck sizing gave rows equal to the table's size one symbol, which the table then fixed to 8:
+    the first prompt of another length compiled on the request path."""
+    torch._dynamo.reset()
+    module = Rotate()
+    half = CompiledWithFallback(module.forward, "a half")
+    before = fx_graph_cache_counts()
+    for rows in (8, 62, 5):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(half(x), module(x))
+    hits, misses = fx_graph_cache_counts()
+    assert (hits - before[0]) + (misses - before[1]) == 1 and not half.failed

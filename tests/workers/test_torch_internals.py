@@ -1,6 +1,7 @@
 """Each private torch API of workers/torch_internals.py still does what warpspec relies on, on the
 installed torch: an upgrade that moves or changes one fails here, by name, not deep in a step."""
 
+import contextlib
 import os
 
 import torch
@@ -9,9 +10,11 @@ from warpspec.workers import torch_internals
 from warpspec.workers.torch_internals import (
     cached_graphs,
     compile_with_inductor,
+    failed_guard,
     fx_graph_cache_counts,
     inductor_default_cache_dir,
     mark_dynamic,
+    without_duck_shapes,
 )
 
 
@@ -66,3 +69,36 @@ def test_a_size_marked_dynamic_serves_every_length_from_one_graph():
         mark_dynamic(x, 0)
         assert torch.equal(compiled(x), affine(x))
     assert len(built) == 1, f"{len(built)} graphs for 2 lengths: mark_dynamic no longer keeps the size symbolic"
+
+
+def _symbols_of_a_pair(duck: bool) -> set[str]:
+    """The size symbols dynamo gives two tensors of equal size, compiled with dynamic shapes."""
+    seen = []
+
+    def backend(graph_module, example_inputs):
+        for node in graph_module.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                seen.extend(str(size) for size in value.shape)
+        return graph_module.forward
+
+    def pair(x, y):
+        return x.sum() + y.sum()
+
+    compiled = torch.compile(type(pair)(pair.__code__.replace(), globals(), "pair"), backend=backend, dynamic=True)
+    with contextlib.nullcontext() if duck else without_duck_shapes():
+        compiled(torch.ones(4), torch.ones(4))
+    return set(seen)
+
+
+def test_duck_shaping_can_be_turned_off_for_a_trace():
+    ducked, apart = _symbols_of_a_pair(duck=True), _symbols_of_a_pair(duck=False)
+    assert not any(size.isdigit() for size in ducked | apart), (ducked, apart)  # both symbolic
+    assert len(ducked) == 1 and len(apart) == 2  # on by default: equal sizes, one symbol
+
+
+def test_a_compiled_functions_failing_guard_is_named():
+    compiled = torch.compile(affine, fullgraph=True, dynamic=False).aot_compile(((torch.zeros(4),), {}))
+    assert compiled.guard_check(torch.zeros(4)) and not compiled.guard_check(torch.zeros(5))
+    reason = failed_guard(compiled, (torch.zeros(5),))
+    assert "x" in reason and "size" in reason.lower(), reason
