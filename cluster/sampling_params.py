@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -17,7 +18,83 @@ MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes at most 64 bits
 # A temperature this small divides logits into float32 overflow (inf - inf = NaN in the softmax);
 # the distribution is one-hot long before it, so such a request is sampled greedily instead.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+# Caps on a grammar's source: the replica compiles every one it is sent.
+MAX_GRAMMAR_CHARS = 100_000
+MAX_CHOICES = 1_024
 
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputs' alternatives
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain a request's output to a grammar (the names of vLLM's StructuredOutputsParams), exactly
+    one of: json, a JSON schema (a dict, or its JSON text); json_object, any JSON object; regex; choice,
+    one of these strings; grammar, a Lark or GBNF grammar. Here only the shape is checked; the grammar
+    itself is compiled, and refused by name, where the tokenizer is (structured_output/grammar.py)."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    # What errors call the grammar: the request field it came from (the OpenAI API's
+    # "response_format.json_schema.schema"); structured_output.<kind> when None.
+    field_name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_output takes exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise InvalidRequestError(f"{self._named('json_object')} must be a boolean, got {self.json_object!r:.80}")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise InvalidRequestError(f"{self._named('json')} must be a JSON schema (an object or its JSON text), "
+                                      f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{self._named(name)} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice:
+                raise InvalidRequestError(f"{self._named('choice')} must be a non-empty list of strings, "
+                                          f"got {self.choice!r:.80}")
+            if len(self.choice) > MAX_CHOICES:
+                raise InvalidRequestError(f"{self._named('choice')} has {len(self.choice)} strings; at most "
+                                          f"{MAX_CHOICES} are allowed")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidRequestError(f"{self._named('choice')} must hold non-empty strings only")
+        if len(self.source) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"{self.field} is {len(self.source)} characters; at most "
+                                      f"{MAX_GRAMMAR_CHARS} are allowed")
+
+    @property
+    def kind(self) -> str:
+        """The one field given: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def field(self) -> str:
+        """The request field errors name."""
+        return self._named(self.kind)
+
+    def _named(self, kind: str) -> str:
+        return self.field_name or f"structured_output.{kind}"
+
+    @property
+    def source(self) -> str:
+        """The grammar's text as one string (a schema in canonical JSON): what compiled grammars are
+        cached by."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            try:
+                value = json.loads(value) if isinstance(value, str) else value
+            except ValueError:
+                return value  # refused when compiled, by the JSON parser's message
+            return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        if self.kind == "choice":
+            return json.dumps(list(value))
+        return "" if value is True else value
 
 
 @dataclass
@@ -34,13 +111,24 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # Top-k log-probabilities (natural log, of the model's distribution before temperature/top-k/top-p)
+    # Top-k log-probabilities (natural log, of the model's distribution before temperature/top-k/top-p
+    # and before a structured output's mask)
     # per generated / prompt position, plus the chosen token's own.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Output constrained to a JSON schema, a regex, a choice or a grammar (a dict of its fields is taken too).
+    structured_output: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            unknown = sorted(set(self.structured_output) - set(KINDS))
+            if unknown:
+                raise InvalidRequestError(f"structured_output has unknown field(s) {', '.join(unknown)}")
+            self.structured_output = StructuredOutputs(**self.structured_output)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputs):
+            raise InvalidRequestError("structured_output must be StructuredOutputs or a dict of its fields, got "
+                                      f"{type(self.structured_output).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list | tuple):

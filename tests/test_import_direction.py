@@ -16,8 +16,8 @@ FOLDERS = {"cluster": "warpspec", "workers": "warpspec.workers", "kernels": "war
            "assets": "warpspec.assets"}
 # Modules at warpspec's root that every layer may share: errors and the user-facing request and output types.
 COMMON = {"errors", "sampling_params", "outputs", "tokenizer"}
-RUNTIME = {"common", "config", "core", "sample", "spec_decode", "executor", "client", "entrypoints", "serving",
-           "workers", "kernels", "protos"}
+RUNTIME = {"common", "config", "core", "sample", "structured_output", "spec_decode", "executor", "client",
+           "entrypoints", "serving", "workers", "kernels", "protos"}
 # What each component may import besides itself, from the top of the request path down.
 MAY_IMPORT = {
     "facade": {"entrypoints", "common", "workers"},  # warpspec/__init__.py: LLM, SamplingParams, ...
@@ -26,9 +26,10 @@ MAY_IMPORT = {
     "entrypoints": {"client", "core", "spec_decode", "config", "common", "workers"},
     "client": {"core", "executor", "spec_decode", "config", "common", "workers"},
     "executor": {"config", "common", "workers"},  # runs steps; knows nothing of scheduling
-    "core": {"spec_decode", "sample", "config", "common", "workers"},
-    "spec_decode": {"sample", "config", "common", "workers", "kernels"},
+    "core": {"spec_decode", "sample", "structured_output", "config", "common", "workers"},
+    "spec_decode": {"sample", "structured_output", "config", "common", "workers", "kernels"},
     "sample": {"common"},
+    "structured_output": {"common"},
     "config": {"common", "workers"},
     "common": {"workers"},
     "workers": {"kernels"},
@@ -39,7 +40,7 @@ MAY_IMPORT = {
     "benchmarks": RUNTIME | {"training", "assets"},
 }
 # Nothing below the executor talks to Ray, Serve or the network.
-NO_RAY = {"core", "sample", "spec_decode", "config", "common", "workers", "kernels"}
+NO_RAY = {"core", "sample", "structured_output", "spec_decode", "config", "common", "workers", "kernels"}
 SERVING_PACKAGES = {"ray", "grpc", "grpc_health", "grpc_reflection", "fastapi", "starlette", "uvicorn"}
 
 

@@ -86,6 +86,7 @@ BENCHMARKS["deterministic"] = "warpspec.benchmarks.deterministic"
 BENCHMARKS["routing"] = "warpspec.benchmarks.routing"
 BENCHMARKS["compile"] = "warpspec.benchmarks.compile_time"
 BENCHMARKS["collectives"] = "warpspec.benchmarks.collectives"
+BENCHMARKS["structured_output"] = "warpspec.benchmarks.structured_output"
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -6,6 +6,11 @@
     append, check eos / stop tokens / length  # finished requests leave and free their blocks at once
     proposer.propose(...)             # when speculating: the next step's draft tokens
 
+A request with a structured output waits outside the scheduler until its grammar's matcher is built
+(off this thread); then every row it samples or verifies is masked to what its grammar allows after
+the tokens, and drafts, before that row (structured_output/grammar.py), so verification stays
+lossless against the constrained distribution, and each token it appends advances its matcher.
+
 A step returns token ids, never text: one RequestDelta per request that gained tokens or finished.
 Detokenization, stop strings and the outputs users see are the front end's (entrypoints/output_processor.py),
 which aborts a request here when a stop string ends it. The front ends: LLM (blocking, a batch at
@@ -18,6 +23,7 @@ a RayCoreClient (client/ray_client.py). The core knows its executor only by the 
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Protocol
 
 import torch
@@ -96,8 +102,9 @@ class EngineCore:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.block_manager.num_blocks, self.block_size,
-                                          config.seed)
+                                          config.seed, self.model_config.eos_token_ids)
         self.requests: dict[str, Sequence] = {}
+        self.compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests awaiting their matcher
         self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.left_request_ids: list[str] = []  # finished or aborted since the executor last heard
         self.spec_stats = SpeculationStats()
@@ -146,7 +153,10 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
         self.requests[request.request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_output is not None:
+            self.compiling[request.request_id] = seq, self.validator.grammars.submit(params.structured_output)
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         """Drop a request now (a client gone, a stop string the front end found); its KV blocks are
@@ -154,23 +164,25 @@ class EngineCore:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return
+        if request_id in self.compiling:
+            self.compiling.pop(request_id)[1].cancel()
         self.scheduler.remove(seq)
         self._release(request_id)
         seq.finish("abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager
         return EngineStats(num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
-                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           num_running=len(self.scheduler.running), num_waiting=self.num_waiting,
                            prefix_cache_hit_rate=blocks.stats.hit_rate,
                            acceptance_length=self.spec_stats.acceptance_length)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self.compiling)
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -180,8 +192,11 @@ class EngineCore:
         Raises EngineError when the workers are gone (every request is dropped: nothing can run), and
         StepFailedError for any other failure, after aborting only the requests this step ran."""
         step_start = time.perf_counter()
+        self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.compiling:  # nothing else to run: wait a little for a grammar rather than spin
+                wait([future for _, future in self.compiling.values()], timeout=0.005, return_when=FIRST_COMPLETED)
             return []
         try:
             return self._run_step(sched, step_start)
@@ -194,6 +209,25 @@ class EngineCore:
             for request_id in request_ids:
                 self.abort(request_id)
             raise StepFailedError.caused_by(request_ids, e) from e
+
+    def _admit_compiled(self) -> None:
+        """Schedule the structured requests whose matchers are built. One whose grammar failed to build
+        (it compiled at the boundary, so this is not the request's fault) fails alone."""
+        failed = []
+        for request_id, (seq, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[request_id]
+            try:
+                seq.grammar = future.result()
+            except Exception as e:  # noqa: BLE001 - reported to the request as a StepFailedError
+                failed.append((request_id, e))
+                continue
+            self.scheduler.add(seq)
+        if failed:
+            for request_id, _ in failed:
+                self.abort(request_id)
+            raise StepFailedError.caused_by([request_id for request_id, _ in failed], failed[0][1])
 
     def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestDelta]:
         now = time.perf_counter()
@@ -261,11 +295,12 @@ class EngineCore:
         """Per scheduled sequence: the tokens to append (one sampled token, or the verified drafts
         plus the correction/bonus), or None when it is mid-prefill; and their logprobs when asked."""
         emitted: list[tuple[list[int] | None, list[PositionLogprobs] | None]] = [(None, None)] * len(scheduled)
+        choose_from = self._masked(scheduled, sample_rows, logits)  # logprobs stay the model's own
         plain = [i for i, item in enumerate(scheduled) if item.samples and not item.draft_token_ids]
         if plain:
             rows = [sample_rows[i] for i in plain]
             seqs = [scheduled[i].seq for i in plain]
-            tokens = sample(logits[rows], [s.params for s in seqs], [s.random for s in seqs],
+            tokens = sample(choose_from[rows], [s.params for s in seqs], [s.random for s in seqs],
                             [s.num_tokens for s in seqs], [s.prompt_token_ids for s in seqs],
                             [s.output_token_ids for s in seqs]).tolist()
             for i, row, token in zip(plain, rows, tokens, strict=True):
@@ -273,13 +308,25 @@ class EngineCore:
         verifying = [i for i, item in enumerate(scheduled) if item.samples and item.draft_token_ids]
         if verifying:
             seqs = [scheduled[i].seq for i in verifying]
-            verified = verify_batch(logits, [sample_rows[i] for i in verifying],
+            verified = verify_batch(choose_from, [sample_rows[i] for i in verifying],
                                     [scheduled[i].draft_token_ids for i in verifying], [s.draft_probs for s in seqs],
                                     [s.params for s in seqs], [s.random for s in seqs], [s.num_tokens for s in seqs],
                                     coupled=self.config.speculative.coupled_verification)
             for i, seq, tokens in zip(verifying, seqs, verified, strict=True):
                 emitted[i] = tokens, self._logprobs(seq, logits[sample_rows[i] : sample_rows[i] + len(tokens)], tokens)
         return emitted
+
+    def _masked(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits with every row a structured request samples or verifies masked (-inf) to what its
+        grammar allows there: its first row after the tokens so far, each next row after the drafts
+        before it. logits itself when no request of the step has a grammar."""
+        matchers = [(item.seq.grammar, row, item.draft_token_ids)
+                    for item, row in zip(scheduled, sample_rows, strict=True)
+                    if item.samples and item.seq.grammar is not None]
+        if not matchers:
+            return logits
+        allowed = self.validator.grammars.fill_masks(matchers, logits.shape[0])
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
         seq.num_verify_steps += 1
@@ -319,7 +366,7 @@ class EngineCore:
             requests.append(DraftRequest(
                 seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, num_drafts,
                 self.block_manager.block_tables[seq.request_id], seq.params.temperature,
-                seq.random, self.config.speculative.coupled_verification))
+                seq.random, self.config.speculative.coupled_verification, seq.grammar))
             live.append(item)
         for item, drafts in zip(live, self.proposer.propose(requests, aux_hidden), strict=True):
             if item.samples:
@@ -351,8 +398,11 @@ class EngineCore:
         for seq in list(self.requests.values()):
             self.scheduler.remove(seq)
         self.requests.clear()
+        self.compiling.clear()
 
     def shutdown(self) -> None:
+        if self.validator._grammars is not None:
+            self.validator.grammars.close()
         self.executor.shutdown()
 
     # ---- bookkeeping after sampling -------------------------------------------------------------
@@ -380,7 +430,12 @@ class EngineCore:
     def _append_token(self, seq: Sequence, token: int) -> None:
         params = seq.params
         seq.append_token(token)
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            raise RuntimeError(f"the grammar of {seq.request_id!r} refused token {token} that its mask allowed "
+                               f"({seq.grammar.get_error()[:200]})")
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.finish("stop", token)
+        elif seq.grammar is not None and seq.grammar.is_stopped():  # complete: nothing but eos could follow
+            seq.finish("stop")
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")

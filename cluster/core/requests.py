@@ -10,6 +10,7 @@ import torch
 
 from warpspec.errors import InvalidRequestError
 from warpspec.sampling_params import SamplingParams
+from warpspec.structured_output.grammar import GrammarCompiler
 from warpspec.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -34,14 +35,28 @@ class NewRequest:
 
 class RequestValidator:
     """Refuses what the engine could never run, with a message naming the field and the limit, and
-    tokenizes the rest. Runs wherever requests arrive, so a bad one never reaches the engine core."""
+    tokenizes the rest. Runs wherever requests arrive, so a bad one never reaches the engine core: a
+    structured output's grammar is compiled here once (and cached), so that one the grammar library
+    refuses is refused by name before it is queued."""
 
     def __init__(self, tokenizer: Tokenizer | None, model: str, vocab_size: int, max_model_len: int,
-                 num_kv_blocks: int, block_size: int, seed: int):
+                 num_kv_blocks: int, block_size: int, seed: int, eos_token_ids: list[int] | tuple[int, ...] = ()):
         self.tokenizer, self.model = tokenizer, model
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.seed_source = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammar compiler, built with the first structured request (~40 ms)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(f"structured_output needs the model's tokenizer; {self.model} has no "
+                                      "tokenizer.json")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.hf.to_str(), self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
         if not isinstance(params, SamplingParams):
@@ -69,6 +84,8 @@ class RequestValidator:
         if needed > self.num_kv_blocks:
             raise InvalidRequestError(f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
                                       f"{self.num_kv_blocks}; lower max_tokens or grow the KV cache")
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))
         return NewRequest(request_id, prompt_text, prompt_ids, params, seed)
 

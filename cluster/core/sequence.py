@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.stats import speculation_metrics
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -43,6 +47,8 @@ class Sequence:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A structured output's matcher, at the end of output_token_ids (the engine core builds it).
+    grammar: LLMatcher | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

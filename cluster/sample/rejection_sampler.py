@@ -112,7 +112,8 @@ def _verify_by_rejection(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.
                                        for j in range(k)]).to(device)
     d = drafts[..., None]
     p_draft, q_draft = p[:, :k_max].gather(2, d)[..., 0], q[:, :k_max].gather(2, d)[..., 0]
-    accepts = (uniforms * q_draft <= p_draft) & is_draft  # u < p/q without dividing by a q of 0
+    # u < p/q without dividing by a q of 0; never a draft the target gives no mass (a grammar's mask), even at u = 0.
+    accepts = (uniforms * q_draft <= p_draft) & (p_draft > 0) & is_draft
     accepted = accepts.long().cumprod(dim=-1).sum(dim=-1)
     # The final token's distribution: normalise(max(0, p - q)) at the first rejection, p after all accepted.
     at = accepted[:, None, None].expand(num_seqs, 1, vocab)

@@ -2,7 +2,10 @@
 and stream-chunk objects of /v1/completions and /v1/chat/completions.
 
 Fields follow the OpenAI API, plus vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, skip_special_tokens, prompt_logprobs). A field the server does not know is refused
+stop_token_ids, skip_special_tokens, prompt_logprobs). Structured outputs come as OpenAI's
+response_format (json_object, or json_schema), or as vLLM's structured_outputs object (json, regex,
+choice, grammar) or its older guided_json / guided_regex / guided_choice / guided_grammar fields; one
+of these per request. A field the server does not know is refused
 with 400 naming it, rather than silently ignored; fields clients send by habit and that change
 nothing here (user, a null logit_bias, n=1, ...) are accepted.
 
@@ -23,7 +26,7 @@ from typing import Any
 from warpspec.core.engine_core import Prompt
 from warpspec.errors import InvalidRequestError
 from warpspec.outputs import RequestOutput, new_positions
-from warpspec.sampling_params import SamplingParams
+from warpspec.sampling_params import SamplingParams, StructuredOutputs
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.request_mapping import check_max_tokens
 
@@ -36,8 +39,13 @@ _SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "t
 # Accepted and without effect here (each only at the value that means "nothing special").
 _INERT_FIELDS = {"model", "stream", "stream_options", "user", "n", "best_of", "logit_bias", "suffix",
                  "service_tier", "store", "metadata", "parallel_tool_calls"}
-_COMPLETION_FIELDS = set(_SAMPLING_FIELDS) | _INERT_FIELDS | {"prompt", "logprobs", "echo", "prompt_logprobs"}
-_CHAT_FIELDS = (set(_SAMPLING_FIELDS) | _INERT_FIELDS
+# vLLM's older spelling of structured_outputs: field -> StructuredOutputs field.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_STRUCTURED_FIELDS = {"response_format", "structured_outputs", *_GUIDED_FIELDS}
+_COMPLETION_FIELDS = (set(_SAMPLING_FIELDS) | _INERT_FIELDS | _STRUCTURED_FIELDS
+                      | {"prompt", "logprobs", "echo", "prompt_logprobs"})
+_CHAT_FIELDS = (set(_SAMPLING_FIELDS) | _INERT_FIELDS | _STRUCTURED_FIELDS
                 | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
 
 
@@ -57,9 +65,42 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise InvalidRequestError(f"stream must be a boolean, got {body['stream']!r}")
 
 
+def structured_output(body: dict) -> StructuredOutputs | None:
+    """The request's structured output, from whichever of its spellings it came in, each error naming
+    the request's own field."""
+    given = sorted(name for name in _STRUCTURED_FIELDS if body.get(name) is not None)
+    if len(given) > 1:
+        raise InvalidRequestError(f"{' and '.join(given)} are alternatives: send one")
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    if name in _GUIDED_FIELDS:
+        return StructuredOutputs(**{_GUIDED_FIELDS[name]: value}, field_name=name)
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{name} must be an object, got {type(value).__name__}")
+    if name == "structured_outputs":
+        unknown = sorted(set(value) - {"json", "json_object", "regex", "choice", "grammar"})
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs has unknown field(s) {', '.join(unknown)}")
+        kinds = [kind for kind, v in value.items() if v not in (None, False)]
+        return StructuredOutputs(**value, field_name=f"structured_outputs.{kinds[0]}" if len(kinds) == 1 else None)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True, field_name="response_format")
+    if kind != "json_schema":
+        raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r:.80}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidRequestError("response_format.json_schema.schema is required: the JSON schema, an object")
+    return StructuredOutputs(json=spec["schema"], field_name="response_format.json_schema.schema")
+
+
 def _sampling_params(body: dict, max_model_len: int, **extra: Any) -> SamplingParams:
     kwargs = {field: body[name] for name, field in _SAMPLING_FIELDS.items() if body.get(name) is not None}
     kwargs.update(extra)
+    kwargs["structured_output"] = structured_output(body)
     if isinstance(kwargs.get("stop"), list) and not all(isinstance(s, str) for s in kwargs["stop"]):
         raise InvalidRequestError("stop must be a string or a list of strings")
     check_max_tokens(kwargs.get("max_tokens"), max_model_len)

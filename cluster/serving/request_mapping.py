@@ -9,7 +9,7 @@ from warpspec.core.engine_core import Prompt
 from warpspec.errors import InvalidRequestError
 from warpspec.outputs import PositionLogprobs, RequestOutput, new_positions
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
-from warpspec.sampling_params import SamplingParams
+from warpspec.sampling_params import SamplingParams, StructuredOutputs
 from warpspec.serving.grpc_servicers import MalformedMessage
 from warpspec.serving.limits import RequestLimits
 
@@ -51,11 +51,26 @@ def sampling_params_from_proto(params: pb.SamplingParams, max_model_len: int) ->
     kwargs["stop"] = list(params.stop)
     kwargs["stop_token_ids"] = list(params.stop_token_ids)
     kwargs["ignore_eos"] = params.ignore_eos
+    if params.HasField("structured_output"):
+        kwargs["structured_output"] = structured_output_from_proto(params.structured_output)
     check_max_tokens(kwargs.get("max_tokens"), max_model_len, "params.max_tokens")
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as e:
         raise InvalidRequestError(f"params.{e}") from None
+
+
+def structured_output_from_proto(message: pb.StructuredOutput) -> StructuredOutputs:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("params.structured_output is empty: set json_schema, json_object, regex, choice "
+                                  "or grammar")
+    name = f"params.structured_output.{kind}"
+    if kind == "choice":
+        return StructuredOutputs(choice=list(message.choice.choices), field_name=name)
+    if kind == "json_schema":
+        return StructuredOutputs(json=message.json_schema, field_name=name)
+    return StructuredOutputs(**{kind: getattr(message, kind)}, field_name=name)
 
 
 def request_from_proto(request: pb.GenerateRequest, max_model_len: int,

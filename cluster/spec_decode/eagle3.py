@@ -27,7 +27,9 @@ padded catch-up, the k - 1 steps after it and the argmax between them are one co
 draft step costs a few hundred microseconds here, and each separate graph call adds its guards, its
 thread switch and the Python that builds its inputs. Each step's position, slot and context length
 follow from the catch-up's inside the graph. Sampled drafts draw from per-request generators on the
-host, so they keep one graph per step. On a GPU that greedy proposal replays a CUDA graph instead
+host, so they keep one graph per step, as do the drafts of a structured output: each step's logits
+are masked to what its grammar allows next (read at the draft vocabulary's ids), and its matcher
+consumes each draft, then rolls them back. On a GPU that greedy proposal replays a CUDA graph instead
 (workers/draft_cuda_graphs.py); everything else runs as it did, the dense halves compiled.
 """
 
@@ -43,6 +45,7 @@ from tqdm import tqdm
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.sample.sampler import exponential_noise, greedy_tokens
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
+from warpspec.structured_output.grammar import allowed_next
 from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
     THREAD_SAMPLE_SEQS,
@@ -380,6 +383,16 @@ class Eagle3Proposer:
             probs.index_copy_(1, target_ids, draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
+    def _masked_by_grammar(self, logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[torch.Tensor, list[bool]]:
+        """Draft-vocab logits [n, draft_vocab] with each structured request's row masked (-inf) to
+        what its grammar allows next, its target-vocab mask read at the draft vocabulary's ids; and
+        whether each row has any token left to draft."""
+        rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        allowed = torch.ones(logits.shape, dtype=torch.bool)
+        target_vocab = self.draft.embed_tokens.shape[0]
+        allowed[rows] = allowed_next([requests[row].grammar for row in rows], target_vocab)[:, self.target_ids]
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf")), allowed.any(dim=-1).tolist()
+
     def _with_scratch(self, requests: list[DraftRequest], padded: bool) -> tuple[list[list[int]], int]:
         """Each request's block table, extended with scratch blocks up to the last position its draft
         steps write: first_position + num_positions + num_drafts - 2, or the padded catch-up's last,
@@ -416,7 +429,8 @@ class Eagle3Proposer:
     def _propose(self, requests: list[DraftRequest], aux_hidden: list[torch.Tensor]) -> list[Drafts]:
         features = torch.cat(aux_hidden, dim=-1).to(self.device, self.draft.fc.dtype)  # [num_tokens, 3 * hidden]
         fits = all(r.num_positions <= self.catch_up_len for r in requests)
-        greedy = all(r.temperature == 0 and r.num_drafts == self.catch_up_len - 1 for r in requests)
+        greedy = all(r.temperature == 0 and r.num_drafts == self.catch_up_len - 1 and r.grammar is None
+                     for r in requests)
         # The padded catch-up: compiled on a CPU; on a GPU only inside a greedy proposal's CUDA graph.
         padded = fits and (self.compiled_catch_up is not None or (self.draft_graphs is not None and greedy))
         tables, spare_block = self._with_scratch(requests, padded)
@@ -434,22 +448,41 @@ class Eagle3Proposer:
         active = [i for i, r in enumerate(requests) if r.num_drafts]
         probs_of: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         step = 0
-        while active:
-            tokens, probs = self._choose(logits, [requests[i] for i in active], step)
-            for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
-                drafts[i].token_ids.append(token)
-                if probs is not None:
-                    probs_of[i].append(probs[row])
-            step += 1
-            keep = [row for row, i in enumerate(active) if requests[i].num_drafts > step]
-            if not keep:
-                break
-            active = [active[row] for row in keep]
-            # The step reading draft j (1-based) runs at position first_position + num_positions + j - 1:
-            # the draft pairs position p with the token at p + 1.
-            plan = [SequenceStep([drafts[i].token_ids[-1]], requests[i].first_position + requests[i].num_positions
-                                 + step - 1, tables[i], 0) for i in active]
-            logits, prenorm = self._run(plan, prenorm[keep])
+        consumed = [0] * len(requests)  # drafts each request's matcher consumed, rolled back at the end
+        try:
+            while active:
+                if any(requests[i].grammar is not None for i in active):
+                    logits, can_draft = self._masked_by_grammar(logits, [requests[i] for i in active])
+                    if not all(can_draft):  # its grammar allows no token of the draft's vocabulary: done
+                        rows = [row for row, ok in enumerate(can_draft) if ok]
+                        active, logits, prenorm = [active[row] for row in rows], logits[rows], prenorm[rows]
+                        if not active:
+                            break
+                tokens, probs = self._choose(logits, [requests[i] for i in active], step)
+                for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
+                    drafts[i].token_ids.append(token)
+                    grammar = requests[i].grammar
+                    if grammar is not None:
+                        grammar.consume_token(token)  # allowed: its mask said so
+                        consumed[i] += 1
+                    if probs is not None:
+                        probs_of[i].append(probs[row])
+                step += 1
+                # A grammar that is complete ends the request: nothing past it is worth drafting.
+                keep = [row for row, i in enumerate(active) if requests[i].num_drafts > step
+                        and not (requests[i].grammar is not None and requests[i].grammar.is_stopped())]
+                if not keep:
+                    break
+                active = [active[row] for row in keep]
+                # The step reading draft j (1-based) runs at position first_position + num_positions + j - 1:
+                # the draft pairs position p with the token at p + 1.
+                plan = [SequenceStep([drafts[i].token_ids[-1]], requests[i].first_position
+                                     + requests[i].num_positions + step - 1, tables[i], 0) for i in active]
+                logits, prenorm = self._run(plan, prenorm[keep])
+        finally:
+            for r, n in zip(requests, consumed, strict=True):
+                if n:
+                    r.grammar.rollback(n)
         for i, probs in probs_of.items():
             if probs:
                 drafts[i].probs = torch.stack(probs)

@@ -8,11 +8,14 @@ loads it for both). n-gram or MTP proposers fit behind the same methods.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from warpspec.sample.keyed_random import KeyedRandom, Purpose
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -29,6 +32,9 @@ class DraftRequest:
     random: KeyedRandom = field(repr=False)  # the request's own: seeded requests reproduce in any batch
     # Coupled verification (sample/rejection_sampler.py): propose with the noise the target samples with.
     coupled: bool = False
+    # A structured output's matcher, after the request's last known token: drafts only what it allows
+    # (and leave it where it was).
+    grammar: LLMatcher | None = field(default=None, repr=False)
 
     @property
     def num_positions(self) -> int:

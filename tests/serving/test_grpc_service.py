@@ -3,6 +3,9 @@ health client; every bad input gets its status, and the replica neither leaks KV
 
 from __future__ import annotations
 
+import json
+import re
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -62,6 +65,16 @@ def test_token_id_prompt_and_logprobs(stub, reference_llm):
     for position, token in zip(reply.logprobs, expected.token_ids, strict=True):
         assert position.entries[0].token_id == token  # the chosen token comes first
         assert position.entries[0].rank == 1  # greedy picks the most likely
+
+
+def test_structured_output_holds_the_text_to_its_grammar(stub):
+    for kind, check in (("regex", lambda text: re.fullmatch("[a-c]{2}-[0-9]{2}", text)),
+                        ("json_schema", lambda text: json.loads(text)["n"] in (1, 2, 3))):
+        spec = pb.StructuredOutput(regex="[a-c]{2}-[0-9]{2}") if kind == "regex" else pb.StructuredOutput(
+            json_schema=json.dumps({"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+                                    "additionalProperties": False}))
+        reply = stub.Generate(_request(max_tokens=24, temperature=0.9, seed=4, structured_output=spec), timeout=60)
+        assert reply.finish_reason == "stop" and check(reply.text), (kind, reply.text)
 
 
 def test_tokenize_and_model_info(stub, reference_llm, serving_stack):
