@@ -6,7 +6,7 @@ Three sections, each side by side in one run:
   valid document, and whether each one refuses, or else enforces, schema keywords a grammar may not
   support (a document breaking the keyword must be refused);
 - mask: one step's grammar work at batch 1, 8 and 32 (masks for 1 row per request, or for k + 1
-  rows after k = 3 drafts; applying them; advancing the matchers), against the target's own step;
+  rows after k = 3 drafts; applying them; advancing the matchers), as the engine core does it;
 - serving: tokens/s per user and acceptance on JSON-schema requests against free text, with and
   without the EAGLE-3 draft, at batch 1 and 8.
 """
@@ -19,6 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
+import llguidance.torch
 import torch
 from tqdm import tqdm
 
@@ -26,7 +27,7 @@ from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.benchmarks.report import write_report
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams, StructuredOutputs
-from warpspec.structured_output.grammar import GrammarCompiler
+from warpspec.structured_output.grammar import GrammarCompiler, masked
 from warpspec.tokenizer import Tokenizer
 
 EOS = 2
@@ -70,9 +71,9 @@ def measure_libraries(tokenizer: Tokenizer, vocab_size: int) -> list[dict]:
     cold = _timed(lambda: compiler.check(spec))
     cached = _timed(lambda: compiler.check(spec))
     matcher = compiler.matcher(spec)
-    masks = []
-    for token in ids:
-        masks.append(_timed(lambda m=matcher: compiler.fill_masks([(m, 0, [])], 1)))
+    bitmask, masks = llguidance.torch.allocate_token_bitmask(1, vocab_size), []
+    for token in ids:  # the bitmask alone, as for xgrammar below
+        masks.append(_timed(lambda m=matcher: llguidance.torch.fill_next_token_bitmask(m, bitmask)))
         matcher.consume_token(token)
     enforced = {}
     for name, (keyword_schema, breaking) in KEYWORDS.items():
@@ -135,7 +136,7 @@ def measure_mask(tokenizer: Tokenizer, vocab_size: int, batches: list[int], k: i
                 start = time.perf_counter()
                 allowed = compiler.fill_masks(entries, logits.shape[0])
                 filled = time.perf_counter()
-                logits.masked_fill(~allowed, float("-inf"))
+                masked(logits, allowed)
                 applied = time.perf_counter()
                 for matcher in matchers:
                     matcher.consume_token(ids[step])

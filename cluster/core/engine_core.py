@@ -45,6 +45,7 @@ from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.draft_loader import load_eagle3_proposer
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.structured_output.grammar import masked
 from warpspec.tokenizer import Tokenizer
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
@@ -325,8 +326,7 @@ class EngineCore:
                     if item.samples and item.seq.grammar is not None]
         if not matchers:
             return logits
-        allowed = self.validator.grammars.fill_masks(matchers, logits.shape[0])
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        return masked(logits, self.validator.grammars.fill_masks(matchers, logits.shape[0]))
 
     def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
         seq.num_verify_steps += 1

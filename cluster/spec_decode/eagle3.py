@@ -29,8 +29,11 @@ thread switch and the Python that builds its inputs. Each step's position, slot 
 follow from the catch-up's inside the graph. Sampled drafts draw from per-request generators on the
 host, so they keep one graph per step, as do the drafts of a structured output: each step's logits
 are masked to what its grammar allows next (read at the draft vocabulary's ids), and its matcher
-consumes each draft, then rolls them back. On a GPU that greedy proposal replays a CUDA graph instead
-(workers/draft_cuda_graphs.py); everything else runs as it did, the dense halves compiled.
+consumes each draft, then rolls them back. Where the grammar is complete, or allows no token the
+draft knows, the draft proposes the grammar's first allowed token with certainty: every request
+still drafts k tokens, so verification stays one uniform, compiled step. On a GPU that greedy
+proposal replays a CUDA graph instead (workers/draft_cuda_graphs.py); everything else runs as it
+did, the dense halves compiled.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from tqdm import tqdm
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.sample.sampler import exponential_noise, greedy_tokens
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
-from warpspec.structured_output.grammar import allowed_next
+from warpspec.structured_output.grammar import allowed_next, mask_executor, masked
 from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
     THREAD_SAMPLE_SEQS,
@@ -132,6 +135,7 @@ class Eagle3Proposer:
         # (graph, one request) -> the thread count it runs with (workers/cpu_threads.py); the graph is
         # the query length of a step graph, or GREEDY_PROPOSAL.
         self.thread_counts: dict[tuple[int | str, bool], int] = {}
+        self.grammar_executor = mask_executor()  # structured outputs' masks
         if compile and not deterministic:
             # The dense halves around attention take only tensors whose one varying size is the token
             # count, so one dynamic-shape graph serves every step.
@@ -383,15 +387,24 @@ class Eagle3Proposer:
             probs.index_copy_(1, target_ids, draft_probs)
         return self.draft.to_target_ids(choice).tolist(), probs
 
-    def _masked_by_grammar(self, logits: torch.Tensor, requests: list[DraftRequest]) -> tuple[torch.Tensor, list[bool]]:
+    def _masked_by_grammar(self, logits: torch.Tensor, requests: list[DraftRequest],
+                           ) -> tuple[torch.Tensor, list[int | None]]:
         """Draft-vocab logits [n, draft_vocab] with each structured request's row masked (-inf) to
         what its grammar allows next, its target-vocab mask read at the draft vocabulary's ids; and
-        whether each row has any token left to draft."""
+        per row the token to draft instead of the draft's choice, or None: where the grammar is
+        complete, or allows no token of the draft's vocabulary, the first token it allows (eos, or a
+        forced token: then the target accepts it)."""
         rows = [row for row, r in enumerate(requests) if r.grammar is not None]
+        allowed_target = allowed_next([requests[row].grammar for row in rows], self.draft.embed_tokens.shape[0],
+                                      self.grammar_executor)
         allowed = torch.ones(logits.shape, dtype=torch.bool)
-        target_vocab = self.draft.embed_tokens.shape[0]
-        allowed[rows] = allowed_next([requests[row].grammar for row in rows], target_vocab)[:, self.target_ids]
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf")), allowed.any(dim=-1).tolist()
+        allowed[rows] = allowed_target[:, self.target_ids]
+        forced: list[int | None] = [None] * len(requests)
+        for row, allowed_row, target_row in zip(rows, allowed[rows], allowed_target, strict=True):
+            if requests[row].grammar.is_stopped() or not allowed_row.any():
+                forced[row] = int(target_row.nonzero()[0, 0]) if target_row.any() else 0
+                allowed[row] = True  # its logits stay finite; the forced token replaces the choice
+        return masked(logits, allowed), forced
 
     def _with_scratch(self, requests: list[DraftRequest], padded: bool) -> tuple[list[list[int]], int]:
         """Each request's block table, extended with scratch blocks up to the last position its draft
@@ -451,26 +464,27 @@ class Eagle3Proposer:
         consumed = [0] * len(requests)  # drafts each request's matcher consumed, rolled back at the end
         try:
             while active:
+                forced: list[int | None] = [None] * len(active)
                 if any(requests[i].grammar is not None for i in active):
-                    logits, can_draft = self._masked_by_grammar(logits, [requests[i] for i in active])
-                    if not all(can_draft):  # its grammar allows no token of the draft's vocabulary: done
-                        rows = [row for row, ok in enumerate(can_draft) if ok]
-                        active, logits, prenorm = [active[row] for row in rows], logits[rows], prenorm[rows]
-                        if not active:
-                            break
+                    logits, forced = self._masked_by_grammar(logits, [requests[i] for i in active])
                 tokens, probs = self._choose(logits, [requests[i] for i in active], step)
                 for row, (i, token) in enumerate(zip(active, tokens, strict=True)):
+                    if forced[row] is not None:
+                        # Drafted with certainty (q is one-hot there): every request still drafts all its
+                        # tokens, so the verification stays uniform and runs compiled.
+                        token = forced[row]
+                        if probs is not None:
+                            probs[row] = 0.0
+                            probs[row, token] = 1.0
                     drafts[i].token_ids.append(token)
                     grammar = requests[i].grammar
-                    if grammar is not None:
+                    if grammar is not None and not grammar.is_stopped():
                         grammar.consume_token(token)  # allowed: its mask said so
                         consumed[i] += 1
                     if probs is not None:
                         probs_of[i].append(probs[row])
                 step += 1
-                # A grammar that is complete ends the request: nothing past it is worth drafting.
-                keep = [row for row, i in enumerate(active) if requests[i].num_drafts > step
-                        and not (requests[i].grammar is not None and requests[i].grammar.is_stopped())]
+                keep = [row for row, i in enumerate(active) if requests[i].num_drafts > step]
                 if not keep:
                     break
                 active = [active[row] for row in keep]

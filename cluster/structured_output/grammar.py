@@ -4,7 +4,8 @@ llguidance rather than xgrammar (both measured on the bundled tokenizer, benchma
 xgrammar compiled `{"not": {"type": "string"}}`, `uniqueItems` and `if`/`then` and then accepted
 documents that break them ("abc", [1, 1]): a server that answers but does not enforce the schema.
 llguidance refuses each such keyword by name ("Unimplemented keys: [\"uniqueItems\"]"), which is the
-400 a client needs. Its masks cost a few microseconds a step, next to milliseconds for the step.
+400 a client needs. Its masks cost more (a median 10 us a token along a 30-field document, against
+xgrammar's 1), still far under a step's milliseconds.
 
     GrammarCompiler.check(spec)    at the boundary: the grammar compiles, or InvalidRequestError
     GrammarCompiler.submit(spec)   in the engine core: a matcher built off the step loop's thread
@@ -20,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from warpspec.errors import InvalidRequestError
@@ -70,7 +72,7 @@ class GrammarCompiler:
         self._checked: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
         self._builder: ThreadPoolExecutor | None = None
-        self.executor = llguidance.LLExecutor(num_threads=1)
+        self.executor = mask_executor()
 
     def check(self, spec: StructuredOutputs) -> str:
         """spec's grammar, compiled once to prove it can run; InvalidRequestError naming the field and
@@ -125,16 +127,28 @@ class GrammarCompiler:
             self._builder.shutdown(wait=False, cancel_futures=True)
 
 
-def allowed_next(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+def mask_executor() -> llguidance.LLExecutor:
+    """Where masks are computed: one thread, as the step's own threads need the cores."""
+    return llguidance.LLExecutor(num_threads=1)
+
+
+def allowed_next(matchers: list[llguidance.LLMatcher], vocab_size: int,
+                 executor: llguidance.LLExecutor) -> torch.Tensor:
     """[len(matchers), vocab_size] bool: what each matcher allows next."""
     bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
-    for row, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+    llguidance.torch.fill_next_token_bitmask_par(executor, [(m, row) for row, m in enumerate(matchers)], bitmask)
     return allowed_tokens(bitmask, vocab_size)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask [rows, ceil(vocab / 32)] int32 (bit j of word w: token 32 w + j) ->
-    [rows, vocab_size] bool."""
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((bitmask[:, :, None] >> bits) & 1).bool().flatten(1)[:, :vocab_size]
+    [rows, vocab_size] bool. numpy's unpackbits: 12 us for 8 rows of 8,192 tokens here, against 380
+    for shifting and masking in torch."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits with what allowed [rows, vocab] refuses at -inf (torch.where: a third of masked_fill's
+    time here)."""
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))
