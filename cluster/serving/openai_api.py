@@ -35,6 +35,7 @@ from warpspec.serving.openai_protocol import (
     chat_request,
     completion_request,
     requested_model,
+    usage,
 )
 from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.wire_errors import wire_error
@@ -152,14 +153,19 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
         stream = frontend.stream(request.prompts[0], request.params)
         # Start the request before answering 200, so that queue-full and engine errors get a status.
         first = await anext(stream)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        stream_options = body.get("stream_options") or {}
+        include_usage = bool(stream_options.get("include_usage"))
+        continuous_usage = bool(stream_options.get("continuous_usage_stats"))
 
         async def events() -> AsyncIterator[str]:
             out = first
             try:
                 while True:
                     if out.new_text or out.new_token_ids or out.finished:
-                        yield _sse(builder.chunk(out))
+                        chunk = builder.chunk(out)
+                        if continuous_usage:
+                            chunk["usage"] = usage(out)
+                        yield _sse(chunk)
                     if out.finished:
                         break
                     out = await anext(stream)

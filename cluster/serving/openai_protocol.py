@@ -39,6 +39,9 @@ _SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "t
 # Accepted and without effect here (each only at the value that means "nothing special").
 _INERT_FIELDS = {"model", "stream", "stream_options", "user", "n", "best_of", "logit_bias", "suffix",
                  "service_tier", "store", "metadata", "parallel_tool_calls"}
+# include_usage: a last chunk with the usage (OpenAI); continuous_usage_stats: the usage so far in
+# every chunk (vLLM).
+_STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 # vLLM's older spelling of structured_outputs: field -> StructuredOutputs field.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -63,6 +66,17 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise InvalidRequestError("suffix is not supported")
     if not isinstance(body.get("stream", False), bool | None):
         raise InvalidRequestError(f"stream must be a boolean, got {body['stream']!r}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise InvalidRequestError(f"stream_options must be an object, got {type(options).__name__}")
+        unknown = sorted(set(options) - _STREAM_OPTIONS)
+        if unknown:
+            raise InvalidRequestError(f"stream_options has unknown field(s) {', '.join(unknown)}; this server "
+                                      f"knows {', '.join(sorted(_STREAM_OPTIONS))}")
+        for name, value in options.items():
+            if not isinstance(value, bool | None):
+                raise InvalidRequestError(f"stream_options.{name} must be a boolean, got {value!r:.80}")
 
 
 def structured_output(body: dict) -> StructuredOutputs | None:

@@ -43,6 +43,12 @@ def test_completions_greedy_matches_in_process_llm(client, reference_llm):
     assert text == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12  # the include_usage chunk
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True,
+                                            extra_body={"stream_options": {"continuous_usage_stats": True}}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 12 and chunks[0].usage.prompt_tokens == len(
+        expected.prompt_token_ids)
 
 
 def test_chat_completions_with_the_default_template(client, reference_llm):

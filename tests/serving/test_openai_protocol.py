@@ -53,3 +53,14 @@ def test_both_endpoints_carry_it_into_the_sampling_params():
 def test_malformed_bodies_are_refused_naming_the_field(body, message):
     with pytest.raises(InvalidRequestError, match=message):
         structured_output(body)
+
+
+@pytest.mark.parametrize("options,message", [
+    ("yes", "stream_options must be an object, got str"),
+    ({"include_usage": True, "per_token_usage": True},
+     r"stream_options has unknown field\(s\) per_token_usage; this server knows"),
+    ({"continuous_usage_stats": "yes"}, "stream_options.continuous_usage_stats must be a boolean"),
+])
+def test_stream_options_are_checked_not_ignored(options, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        completion_request({"prompt": "x", "stream": True, "stream_options": options}, 512)
