@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-import llguidance.torch
+import llguidance.numpy
 import torch
 from tqdm import tqdm
 
@@ -71,9 +71,9 @@ def measure_libraries(tokenizer: Tokenizer, vocab_size: int) -> list[dict]:
     cold = _timed(lambda: compiler.check(spec))
     cached = _timed(lambda: compiler.check(spec))
     matcher = compiler.matcher(spec)
-    bitmask, masks = llguidance.torch.allocate_token_bitmask(1, vocab_size), []
+    bitmask, masks = llguidance.numpy.allocate_token_bitmask(1, vocab_size), []
     for token in ids:  # the bitmask alone, as for xgrammar below
-        masks.append(_timed(lambda m=matcher: llguidance.torch.fill_next_token_bitmask(m, bitmask)))
+        masks.append(_timed(lambda m=matcher: llguidance.numpy.fill_next_token_bitmask(m, bitmask)))
         matcher.consume_token(token)
     enforced = {}
     for name, (keyword_schema, breaking) in KEYWORDS.items():

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -113,13 +113,13 @@ class GrammarCompiler:
         the drafts before it. Rows after a draft the grammar refuses, and rows of no matcher, allow
         everything (verification never reads past a refused draft: its probability is 0). The
         matchers end where they began."""
-        bitmask = llguidance.torch.allocate_token_bitmask(num_rows, self.vocab_size)
+        bitmask = llguidance.numpy.allocate_token_bitmask(num_rows, self.vocab_size)
         with_drafts = [(m, row, drafts) for m, row, drafts in matchers if drafts]
         if with_drafts:
-            llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(self.executor, with_drafts, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self.executor, with_drafts, bitmask)
         without = [(m, row) for m, row, drafts in matchers if not drafts]  # llguidance takes no empty drafts
         if without:
-            llguidance.torch.fill_next_token_bitmask_par(self.executor, without, bitmask)
+            llguidance.numpy.fill_next_token_bitmask_par(self.executor, without, bitmask)
         return allowed_tokens(bitmask, self.vocab_size)
 
     def close(self) -> None:
@@ -135,16 +135,17 @@ def mask_executor() -> llguidance.LLExecutor:
 def allowed_next(matchers: list[llguidance.LLMatcher], vocab_size: int,
                  executor: llguidance.LLExecutor) -> torch.Tensor:
     """[len(matchers), vocab_size] bool: what each matcher allows next."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
-    llguidance.torch.fill_next_token_bitmask_par(executor, [(m, row) for row, m in enumerate(matchers)], bitmask)
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
+    llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, row) for row, m in enumerate(matchers)], bitmask)
     return allowed_tokens(bitmask, vocab_size)
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def allowed_tokens(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask [rows, ceil(vocab / 32)] int32 (bit j of word w: token 32 w + j) ->
     [rows, vocab_size] bool. numpy's unpackbits: 12 us for 8 rows of 8,192 tokens here, against 380
-    for shifting and masking in torch."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    for shifting and masking in torch. (llguidance.numpy, not llguidance.torch: importing that one
+    costs 2.6 s, as it compiles its own mask kernel with torch.compile.)"""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")
     return torch.from_numpy(bits).view(torch.bool)
 
 

@@ -4,6 +4,7 @@ each row and leave the matcher where it was."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,6 @@ def test_masks_follow_the_drafts_before_each_row_and_leave_the_matcher_unchanged
 
 
 def test_bitmask_words_read_least_significant_bit_first():
-    bitmask = torch.tensor([[0b101, -(2**31) | 1]], dtype=torch.int32)  # word 1: bits 0 and 31
+    bitmask = np.array([[0b101, -(2**31) | 1]], dtype=np.int32)  # word 1: bits 0 and 31
     allowed = allowed_tokens(bitmask, 40)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2, 32]  # bit 31 of word 1 is token 63, past 40
