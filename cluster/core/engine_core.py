@@ -401,8 +401,7 @@ class EngineCore:
         self.compiling.clear()
 
     def shutdown(self) -> None:
-        if self.validator._grammars is not None:
-            self.validator.grammars.close()
+        self.validator.close()
         self.executor.shutdown()
 
     # ---- bookkeeping after sampling -------------------------------------------------------------

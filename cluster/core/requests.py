@@ -58,6 +58,11 @@ class RequestValidator:
             self._grammars = GrammarCompiler(self.tokenizer.hf.to_str(), self.vocab_size, self.eos_token_ids)
         return self._grammars
 
+    def close(self) -> None:
+        """Stop the grammar compiler's thread, if one was started."""
+        if self._grammars is not None:
+            self._grammars.close()
+
     def new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> NewRequest:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
