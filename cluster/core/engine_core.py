@@ -179,7 +179,8 @@ class EngineCore:
         return EngineStats(num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
                            num_running=len(self.scheduler.running), num_waiting=self.num_waiting,
                            prefix_cache_hit_rate=blocks.stats.hit_rate,
-                           acceptance_length=self.spec_stats.acceptance_length)
+                           acceptance_length=self.spec_stats.acceptance_length,
+                           constrained_acceptance_length=self.spec_stats.constrained_acceptance_length)
 
     @property
     def num_waiting(self) -> int:
@@ -336,6 +337,9 @@ class EngineCore:
         stats.num_verify_steps += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += accepted
+        if seq.grammar is not None:
+            stats.num_constrained_verify_steps += 1
+            stats.num_constrained_accepted_tokens += accepted
         for position in range(num_drafts):
             stats.proposed_at[position] = stats.proposed_at.get(position, 0) + 1
             if position < accepted:

@@ -15,3 +15,4 @@ class EngineStats:
     num_waiting: int  # in the scheduler's queue
     prefix_cache_hit_rate: float  # over all prompt tokens admitted so far
     acceptance_length: float  # engine-wide mean; 0 without speculation
+    constrained_acceptance_length: float = 0.0  # the same over requests with a structured output

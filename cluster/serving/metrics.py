@@ -3,7 +3,8 @@
 
 Per request (at its end): time to first token, time per output token, prompt/generated token
 counters, acceptance length. Per replica (sampled every second and after each request): queue
-depth, running sequences, KV cache usage, prefix-cache hit rate, mean acceptance length.
+depth, running sequences, KV cache usage, prefix-cache hit rate, mean acceptance length (all requests,
+and those with a structured output).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ReplicaStats:
     num_in_flight: int  # open request streams
     prefix_cache_hit_rate: float  # over all prompt tokens admitted so far
     acceptance_length: float  # engine-wide mean; 0 without speculation
+    constrained_acceptance_length: float  # the same over requests with a structured output
     num_aborted: int  # requests whose client cancelled or disconnected mid-way
     is_healthy: bool
 
@@ -75,8 +77,12 @@ class ServingMetrics:
                                              tag_keys=tags)
         self.acceptance_mean = metrics.Gauge("warpspec_acceptance_length", "Engine-wide mean acceptance length.",
                                              tag_keys=tags)
+        self.constrained_acceptance = metrics.Gauge(
+            "warpspec_constrained_acceptance_length",
+            "Mean acceptance length of requests with a structured output (grammar-masked drafts).", tag_keys=tags)
         for metric in (self.ttft, self.tpot, self.acceptance, self.prompt_tokens, self.generation_tokens,
-                       self.queue_depth, self.running, self.kv_usage, self.prefix_hit_rate, self.acceptance_mean):
+                       self.queue_depth, self.running, self.kv_usage, self.prefix_hit_rate, self.acceptance_mean,
+                       self.constrained_acceptance):
             metric.set_default_tags(self.default_tags)
 
     def record_finished(self, out: RequestOutput) -> None:
@@ -100,3 +106,4 @@ class ServingMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
         self.acceptance_mean.set(stats.acceptance_length)
+        self.constrained_acceptance.set(stats.constrained_acceptance_length)

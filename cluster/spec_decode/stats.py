@@ -29,6 +29,10 @@ class SpeculationStats:
     accepted_at: dict[int, int] = field(default_factory=dict)  # draft position -> times accepted
     step_time_s: float = 0.0  # engine steps, in all
     draft_time_s: float = 0.0  # of which the proposer
+    # Of the verify steps and accepted drafts, those of requests with a structured output: acceptance
+    # under a grammar, reported beside acceptance without one.
+    num_constrained_verify_steps: int = 0
+    num_constrained_accepted_tokens: int = 0
 
     @property
     def draft_share(self) -> float:
@@ -37,6 +41,17 @@ class SpeculationStats:
     @property
     def acceptance_length(self) -> float:
         return acceptance_length(self.num_accepted_tokens, self.num_verify_steps)
+
+    @property
+    def constrained_acceptance_length(self) -> float:
+        """Over requests with a structured output only."""
+        return acceptance_length(self.num_constrained_accepted_tokens, self.num_constrained_verify_steps)
+
+    @property
+    def free_acceptance_length(self) -> float:
+        """Over requests without a structured output."""
+        return acceptance_length(self.num_accepted_tokens - self.num_constrained_accepted_tokens,
+                                 self.num_verify_steps - self.num_constrained_verify_steps)
 
     def acceptance_rate_at(self) -> list[float]:
         return [self.accepted_at.get(i, 0) / n for i, n in sorted(self.proposed_at.items())]
@@ -48,4 +63,6 @@ class SpeculationStats:
             self.num_accepted_tokens - earlier.num_accepted_tokens,
             {i: n - earlier.proposed_at.get(i, 0) for i, n in self.proposed_at.items()},
             {i: n - earlier.accepted_at.get(i, 0) for i, n in self.accepted_at.items()},
-            self.step_time_s - earlier.step_time_s, self.draft_time_s - earlier.draft_time_s)
+            self.step_time_s - earlier.step_time_s, self.draft_time_s - earlier.draft_time_s,
+            self.num_constrained_verify_steps - earlier.num_constrained_verify_steps,
+            self.num_constrained_accepted_tokens - earlier.num_constrained_accepted_tokens)

@@ -74,6 +74,12 @@ def test_the_draft_changes_no_greedy_token_and_drafts_under_the_grammar(prompts,
         assert stats.acceptance_length > 2.2
         # k = 3 drafts at every step, a complete grammar's included: verification stays uniform (compiled).
         assert stats.num_draft_tokens == 3 * stats.num_verify_steps
+        # Acceptance under a grammar is reported beside acceptance without one.
+        assert stats.constrained_acceptance_length == stats.acceptance_length
+        assert llm.engine.stats().constrained_acceptance_length == stats.acceptance_length
+        llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        assert stats.free_acceptance_length > 0 and stats.num_constrained_verify_steps < stats.num_verify_steps
+        assert stats.constrained_acceptance_length != stats.acceptance_length
 
 
 def test_seeded_sampling_reads_the_same_with_the_draft_under_coupled_verification(prompts):
