@@ -21,6 +21,7 @@ OPTIONAL = {
     "cupy": "gpu",  # the NCCL backend of workers/comm.py
     "transformers": "bench",  # the reference beside warpspec in bench compare / throughput
     "matplotlib": "bench",
+    "xgrammar": "bench",  # compared with llguidance in bench structured_output
     "grpc_tools": "test",  # protos/generate.py regenerates the committed stubs (a maintainer's tool)
 }
 
