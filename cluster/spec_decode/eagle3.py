@@ -48,7 +48,7 @@ from tqdm import tqdm
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.sample.sampler import exponential_noise, greedy_tokens
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
-from warpspec.structured_output.grammar import allowed_next, mask_executor, masked
+from warpspec.structured_output.grammar import allowed_next, masked
 from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
     THREAD_SAMPLE_SEQS,
@@ -135,7 +135,6 @@ class Eagle3Proposer:
         # (graph, one request) -> the thread count it runs with (workers/cpu_threads.py); the graph is
         # the query length of a step graph, or GREEDY_PROPOSAL.
         self.thread_counts: dict[tuple[int | str, bool], int] = {}
-        self.grammar_executor = mask_executor()  # structured outputs' masks
         if compile and not deterministic:
             # The dense halves around attention take only tensors whose one varying size is the token
             # count, so one dynamic-shape graph serves every step.
@@ -395,8 +394,7 @@ class Eagle3Proposer:
         complete, or allows no token of the draft's vocabulary, the first token it allows (eos, or a
         forced token: then the target accepts it)."""
         rows = [row for row, r in enumerate(requests) if r.grammar is not None]
-        allowed_target = allowed_next([requests[row].grammar for row in rows], self.draft.embed_tokens.shape[0],
-                                      self.grammar_executor)
+        allowed_target = allowed_next([requests[row].grammar for row in rows], self.draft.embed_tokens.shape[0])
         allowed = torch.ones(logits.shape, dtype=torch.bool)
         allowed[rows] = allowed_target[:, self.target_ids]
         forced: list[int | None] = [None] * len(requests)

@@ -72,7 +72,7 @@ class GrammarCompiler:
         self._checked: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
         self._builder: ThreadPoolExecutor | None = None
-        self.executor = mask_executor()
+        self.executor = llguidance.LLExecutor(num_threads=1)  # one thread: the step's own need the cores
 
     def check(self, spec: StructuredOutputs) -> str:
         """spec's grammar, compiled once to prove it can run; InvalidRequestError naming the field and
@@ -127,16 +127,13 @@ class GrammarCompiler:
             self._builder.shutdown(wait=False, cancel_futures=True)
 
 
-def mask_executor() -> llguidance.LLExecutor:
-    """Where masks are computed: one thread, as the step's own threads need the cores."""
-    return llguidance.LLExecutor(num_threads=1)
-
-
-def allowed_next(matchers: list[llguidance.LLMatcher], vocab_size: int,
-                 executor: llguidance.LLExecutor) -> torch.Tensor:
-    """[len(matchers), vocab_size] bool: what each matcher allows next."""
+def allowed_next(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """[len(matchers), vocab_size] bool: what each matcher allows next. One matcher at a time: no
+    executor to hold (an LLExecutor made in the EAGLE-3 proposer's __init__ kept the draft model
+    alive after shutdown), and for a draft step's few rows no slower than the executor's call."""
     bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
-    llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, row) for row, m in enumerate(matchers)], bitmask)
+    for row, matcher in enumerate(matchers):
+        llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, row)
     return allowed_tokens(bitmask, vocab_size)
 
 

@@ -66,14 +66,14 @@ def test_masks_follow_the_drafts_before_each_row_and_leave_the_matcher_unchanged
     matcher = compiler.matcher(StructuredOutputs(choice=["yes", "no"]))
     yes = tokenizer.hf.encode("yes", add_special_tokens=False).ids
     assert len(yes) == 1
-    before = allowed_next([matcher], compiler.vocab_size, compiler.executor)[0]
+    before = allowed_next([matcher], compiler.vocab_size)[0]
     # Row 3 of a 6-row step: the row itself, after "yes", and after a refused draft.
     refused = tokenizer.hf.encode("maybe", add_special_tokens=False).ids[0]
     allowed = compiler.fill_masks([(matcher, 3, [yes[0], refused])], 6)
     assert torch.equal(allowed[3], before) and before[yes[0]] and not before[refused]
     assert allowed[4].nonzero().flatten().tolist() == [EOS]  # "yes" is complete: only eos may follow
     assert allowed[5].all() and allowed[:3].all()  # past a refused draft, and rows of no request: unmasked
-    assert torch.equal(allowed_next([matcher], compiler.vocab_size, compiler.executor)[0], before)  # rolled back
+    assert torch.equal(allowed_next([matcher], compiler.vocab_size)[0], before)  # rolled back
     assert matcher.consume_token(yes[0]) and matcher.is_stopped()
 
 
