@@ -58,11 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
                     or "cpu", "tiny": args.tiny, "torch": torch.__version__, "repeats": repeats,
                     "errors": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(part: str) -> None:
+        """A killed or hung run (the device's time is short) still leaves every part that finished."""
+        report["wall_s"] = time.perf_counter() - started
+        (out / "gpu_check.partial.json").write_text(json.dumps(report, indent=2))
+        print(f"gpu_check: {part} done at {report['wall_s']:.0f} s", flush=True)
+
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.tiny else (4 << 30), repeats)
     report["copy_bandwidth_gbs"] = copy_gbs
     results = kernel_check.run_kernel_checks(device, args.tiny, repeats)
     report["kernels"] = kernel_check.as_dicts(results)
     report["bandwidth"] = kernel_check.bandwidth_rows(results, copy_gbs)
+    checkpoint("kernels")
     if not args.skip_simulation:
         shape = maverick_rank.RankShape.tiny() if args.tiny else maverick_rank.RankShape()
         report["simulation"] = []
@@ -75,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["errors"].append(f"simulation ({layout}): {type(e).__name__}: {str(e)[:500]}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            checkpoint(f"simulation ({layout})")
         draft_shape = maverick_draft.DraftShape.tiny() if args.tiny else maverick_draft.DraftShape()
         try:
             report["draft"] = maverick_draft.run_draft_simulation(draft_shape, device, max(3, repeats // 5),
@@ -91,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     report["allreduce_us"] = args.allreduce_us
     report["host_ms"] = args.host_ms
     report["wall_s"] = time.perf_counter() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.partial.json").unlink(missing_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     markdown = render(report)
     (out / "gpu_check.md").write_text(markdown)
