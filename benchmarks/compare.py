@@ -121,9 +121,11 @@ def worker_layout(spec: str) -> tuple[str, int, str, str]:
     return spec, int(count.removeprefix("ray")), executor, comm_backend or "auto"
 
 
-def step_modes(num_workers: int) -> list[tuple[str, bool]]:
+def step_modes(num_workers: int, eager_only: bool = False) -> list[tuple[str, bool]]:
     """(name suffix, enforce_eager): one rank on a CPU compiles its steps by default, and its eager run
-    goes beside it."""
+    goes beside it; eager_only (--enforce-eager) runs every engine eager and compiles nothing."""
+    if eager_only:
+        return [(EAGER, True)]
     return [("", False), (EAGER, True)] if num_workers == 1 else [("", False)]
 
 
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch 1: run each of this many held-out prompts alone, report the median")
     parser.add_argument("--dtype", default="float32", help="both engines compute in this dtype")
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="every warpspec engine eager: no start-up compile (minutes cold), eager speed only")
     args = parser.parse_args(argv)
     try:
         from transformers import Llama4ForCausalLM
@@ -162,13 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [worker_layout(spec) for spec in args.workers.split(",")]
     # Every engine through Ray holds a CPU per worker, all of them at once (plain and EAGLE-3, compiled
     # and eager): a local cluster must offer that many, oversubscribing a small machine.
-    ray_cpus = sum(2 * len(step_modes(n)) * n for _, n, executor, _ in layouts if executor == "ray" or n > 1)
+    ray_cpus = sum(2 * len(step_modes(n, args.enforce_eager)) * n
+                   for _, n, executor, _ in layouts if executor == "ray" or n > 1)
     if ray_cpus:
         from warpspec.executor.ray_env import connect_ray
 
         connect_ray(args.run_dir, num_cpus=ray_cpus)
     engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(
-        step_modes(layout[1]), (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)))]
+        step_modes(layout[1], args.enforce_eager), (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)))]
     with contextlib.ExitStack() as stack:
         # Each engine compiles its steps as it starts (cached under --run-dir): minutes, cold.
         for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft) in tqdm(
