@@ -13,7 +13,19 @@ Without a template the DEFAULT applies, one line per message and an open assista
     assistant:
 
 tokenized like any prompt (the tokenizer adds its BOS). Plain and model-agnostic, so a checkpoint
-without a template still gets a usable, documented format.
+without a template still gets a usable, documented format. With tools, a first line lists their
+functions as JSON, an assistant's tool calls are written in the JSON form tool_parser.py reads (one
+object, or a list of several), and a tool's result is a `tool:` line:
+
+    tools: [{"name": "get_weather", "description": "...", "parameters": {...}}]
+    user: Weather in Paris?
+    assistant: {"name": "get_weather", "parameters": {"city": "Paris"}}
+    tool: {"temperature": 21}
+    assistant:
+
+A template is given the tools as transformers gives them (`tools`, each {"type": "function",
+"function": {...}}) and the messages with their tool_calls (arguments as objects, as templates
+expect, not OpenAI's JSON text) and tool_call_id.
 """
 
 from __future__ import annotations
@@ -25,6 +37,39 @@ from warpspec.core.engine_core import Prompt
 from warpspec.errors import InvalidRequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message(index: int, message: object) -> dict:
+    """messages[index] as a template reads it: role, content as one string, and an assistant's
+    tool_calls (arguments parsed) or a tool's tool_call_id."""
+    role, content = _message_text(index, message)
+    out = {"role": role, "content": content}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(index, message["tool_calls"])
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(message["tool_call_id"])
+    return out
+
+
+def _tool_calls(index: int, calls: object) -> list[dict]:
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where} must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f'{where}[{j}] must be {{"id", "type": "function", "function": '
+                                      '{"name", "arguments"}}')
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError:
+                raise InvalidRequestError(f"{where}[{j}].function.arguments is not valid JSON") from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def _message_text(index: int, message: object) -> tuple[str, str]:
@@ -83,17 +128,31 @@ class ChatTemplate:
         return cls(tokenizer, template if isinstance(template, str) else None,
                    _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
-    def render(self, messages: object) -> Prompt:
+    def render(self, messages: object, tools: list[dict] | None = None) -> Prompt:
+        """tools: the request's functions (ToolRequest.functions), or None."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        pairs = [_message_text(i, m) for i, m in enumerate(messages)]
+        turns = [_message(i, m) for i, m in enumerate(messages)]
         if self.compiled is None:
-            return "".join(f"{role}: {text}\n" for role, text in pairs) + "assistant:"
+            lines = [f"tools: {json.dumps(tools, ensure_ascii=False)}\n"] if tools else []
+            lines += [f"{t['role']}: {_default_text(t)}\n" for t in turns]
+            return "".join(lines) + "assistant:"
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint has no tokenizer.json, so chat messages cannot be encoded")
-        text = self.compiled.render(messages=[{"role": r, "content": t} for r, t in pairs],
-                                    add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        extra = {"tools": [{"type": "function", "function": f} for f in tools]} if tools else {}
+        text = self.compiled.render(messages=turns, add_generation_prompt=True, bos_token=self.bos_token,
+                                    eos_token=self.eos_token, **extra)
         return self.tokenizer.hf.encode(text, add_special_tokens=False).ids
+
+
+def _default_text(turn: dict) -> str:
+    """A turn's text in the default format: an assistant's tool calls follow its content as JSON."""
+    calls = [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]}
+             for c in turn.get("tool_calls", ())]
+    if not calls:
+        return turn["content"]
+    written = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+    return f"{turn['content']} {written}" if turn["content"] else written
 
 
 def _raise_template_error(message: str) -> None:

@@ -38,6 +38,7 @@ from warpspec.serving.openai_protocol import (
     usage,
 )
 from warpspec.serving.replica_frontend import ReplicaFrontend
+from warpspec.serving.tool_request import ToolRequest
 from warpspec.serving.wire_errors import wire_error
 
 
@@ -135,8 +136,8 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
             raise NotFoundError(f"model {name!r} is not served here; this deployment serves {model_name!r}")
         return body
 
-    async def run(body: dict, request: CompletionRequest, chat: bool):
-        builder = ResponseBuilder(model_name, chat, request, decode_token)
+    async def run(body: dict, request: CompletionRequest, chat: bool, tools: ToolRequest | None = None):
+        builder = ResponseBuilder(model_name, chat, request, decode_token, tools)
         if not body.get("stream"):
             # A list of prompts runs side by side; the first failure cancels (and so aborts) the others
             # and is the reply's error.
@@ -190,8 +191,9 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
     @answered()
     async def chat_completions(request: Request):
         body = await read_body(request)
-        messages, params = chat_request(body, frontend.description.max_model_len, limits)
-        return await run(body, CompletionRequest([template.render(messages)], params), chat=True)
+        chat = chat_request(body, frontend.description.max_model_len, limits)
+        prompt = template.render(chat.messages, chat.tools.functions if chat.tools is not None else None)
+        return await run(body, CompletionRequest([prompt], chat.params), chat=True, tools=chat.tools)
 
     @app.get("/v1/models")
     @answered()

@@ -29,6 +29,8 @@ from warpspec.outputs import RequestOutput, new_positions
 from warpspec.sampling_params import SamplingParams, StructuredOutputs
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.request_mapping import check_max_tokens
+from warpspec.serving.tool_parser import ToolCallStream, parse_tool_calls
+from warpspec.serving.tool_request import ToolRequest, tool_request
 
 # Request field -> SamplingParams field, common to both endpoints.
 _SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -38,7 +40,7 @@ _SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "t
                     "skip_special_tokens": "skip_special_tokens"}
 # Accepted and without effect here (each only at the value that means "nothing special").
 _INERT_FIELDS = {"model", "stream", "stream_options", "user", "n", "best_of", "logit_bias", "suffix",
-                 "service_tier", "store", "metadata", "parallel_tool_calls"}
+                 "service_tier", "store", "metadata"}
 # include_usage: a last chunk with the usage (OpenAI); continuous_usage_stats: the usage so far in
 # every chunk (vLLM).
 _STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
@@ -49,7 +51,8 @@ _STRUCTURED_FIELDS = {"response_format", "structured_outputs", *_GUIDED_FIELDS}
 _COMPLETION_FIELDS = (set(_SAMPLING_FIELDS) | _INERT_FIELDS | _STRUCTURED_FIELDS
                       | {"prompt", "logprobs", "echo", "prompt_logprobs"})
 _CHAT_FIELDS = (set(_SAMPLING_FIELDS) | _INERT_FIELDS | _STRUCTURED_FIELDS
-                | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"})
+                | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                   "parallel_tool_calls"})
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -189,10 +192,14 @@ def completion_request(body: dict, max_model_len: int, limits: RequestLimits | N
     return CompletionRequest(prompts, params, echo, prompt_only, body.get("prompt_logprobs") is not None)
 
 
-def chat_request(body: dict, max_model_len: int,
-                 limits: RequestLimits | None = None) -> tuple[object, SamplingParams]:
-    """(messages, params); the deployment's ChatTemplate turns the messages into the prompt (and
-    refuses malformed messages, naming them)."""
+@dataclass
+class ChatRequest:
+    messages: object  # the deployment's ChatTemplate checks them, naming what is malformed
+    params: SamplingParams
+    tools: ToolRequest | None = None
+
+
+def chat_request(body: dict, max_model_len: int, limits: RequestLimits | None = None) -> ChatRequest:
     _check_fields(body, _CHAT_FIELDS)
     (limits or RequestLimits()).check_prompt_text("".join(_message_texts(body.get("messages"))), "messages")
     body = dict(body)
@@ -201,7 +208,15 @@ def chat_request(body: dict, max_model_len: int,
     extra = {}
     if body.get("logprobs"):
         extra["logprobs"] = body.get("top_logprobs") or 0
-    return body.get("messages"), _sampling_params(body, max_model_len, **extra)
+    tools = tool_request(body)
+    params = _sampling_params(body, max_model_len, **extra)
+    enforced = tools.structured_output() if tools is not None else None
+    if enforced is not None:
+        if params.structured_output is not None:
+            raise InvalidRequestError(f"tool_choice {tools.choice!r} and {params.structured_output.field} are "
+                                      "alternatives: a reply is either the tool call or the structured output")
+        params = replace(params, structured_output=enforced)
+    return ChatRequest(body.get("messages"), params, tools)
 
 
 def _message_texts(messages: object) -> list[str]:
@@ -285,9 +300,12 @@ class ResponseBuilder:
     entry to carry it."""
 
     def __init__(self, model: str, chat: bool, request: CompletionRequest | None = None,
-                 decode: Callable[[int], str] = str):
+                 decode: Callable[[int], str] = str, tools: ToolRequest | None = None):
         self.model, self.chat, self.decode = model, chat, decode
         self.request = request or CompletionRequest([], SamplingParams())
+        # Chat with tools: calls are read out of the reply, whole or as it streams.
+        self.tools = tools if tools is not None and tools.parses_calls else None
+        self.tool_stream = ToolCallStream(self.tools.names) if self.tools is not None else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.sent_first = False
@@ -300,8 +318,17 @@ class ResponseBuilder:
         """The whole reply: one choice per output, in prompt order."""
         if self.chat:
             out = outs[0]
-            choices = [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                        "logprobs": _chat_logprobs(out.token_ids, out.logprobs), "finish_reason": _finish_reason(out)}]
+            message: dict = {"role": "assistant", "content": out.text}
+            finish_reason = _finish_reason(out)
+            if self.tools is not None:
+                parsed = parse_tool_calls(out.text, self.tools.names)
+                if parsed.tool_calls:
+                    message = {"role": "assistant", "content": parsed.content, "tool_calls": [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in parsed.tool_calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            choices = [{"index": 0, "message": message, "logprobs": _chat_logprobs(out.token_ids, out.logprobs),
+                        "finish_reason": finish_reason}]
         else:
             choices = [self._completion_choice(i, out, out.token_ids, out.text, out.logprobs, first=True, text_offset=0)
                        for i, out in enumerate(outs)]
@@ -336,10 +363,20 @@ class ResponseBuilder:
             positions = new_positions(out)
         if self.chat:
             delta: dict = {"content": out.new_text}
+            finish_reason = _finish_reason(out)
+            if self.tool_stream is not None:
+                delta["content"], calls = self.tool_stream.feed(out.new_text)
+                if calls:
+                    delta["tool_calls"] = [c.as_openai() for c in calls]
+                if out.finished:
+                    rest, called = self.tool_stream.finish()
+                    delta["content"] += rest
+                    if called and finish_reason == "stop":
+                        finish_reason = "tool_calls"
             if not self.sent_first:
                 delta["role"] = "assistant"
             choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(out.new_token_ids, positions or None),
-                      "finish_reason": _finish_reason(out)}
+                      "finish_reason": finish_reason}
         else:
             choice = self._completion_choice(0, out, out.new_token_ids, out.new_text, positions,
                                              first=not self.sent_first, text_offset=self.text_offset)

@@ -135,6 +135,11 @@ def _chat(**fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
 
 
+def _tool(name: str, parameters: object = None) -> dict:
+    parameters = {"type": "object", "properties": {"a": {"type": "integer"}}} if parameters is None else parameters
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 # (name, path, body: a dict sent as JSON or raw bytes, HTTP status, message fragment)
 HTTP_ROWS = [
@@ -234,6 +239,24 @@ HTTP_ROWS = [
      "messages[0].content[0] must be a text part"),
     ("messages over max_prompt_bytes", CHAT, _chat(messages=[{"role": "user", "content": "x" * (4 * MIB + 1)}]),
      400, "messages is 4194305 bytes"),
+    ("tool_choice naming no tool", CHAT, _chat(tools=[_tool("add")], tool_choice={
+        "type": "function", "function": {"name": "nope"}}), 400,
+     "tool_choice.function.name 'nope' is not among the tools' names (add)"),
+    ("tool parameters not a schema", CHAT, _chat(tools=[_tool("add"), _tool("get", {"type": "strnig"})]), 400,
+     "tools[1].function.parameters['type'] is not a valid JSON schema"),
+    ("tool parameters not an object", CHAT, _chat(tools=[_tool("add", [1])]), 400,
+     "tools[0].function.parameters must be a JSON schema object, got list"),
+    ("tool name with spaces", CHAT, _chat(tools=[_tool("get weather")]), 400,
+     "tools[0].function.name must be 1 to 64 letters"),
+    ("two tools of one name", CHAT, _chat(tools=[_tool("add"), _tool("add")]), 400,
+     "function names must be unique; add appear"),
+    ("tool_choice without tools", CHAT, _chat(tool_choice="required"), 400, "tool_choice needs tools"),
+    ("tool_choice and response_format", CHAT, _chat(tools=[_tool("add")], tool_choice="required",
+                                                    response_format={"type": "json_object"}), 400,
+     "tool_choice 'required' and response_format are alternatives"),
+    ("tool call arguments not JSON", CHAT, _chat(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{oops"}}]}]), 400,
+     "messages[0].tool_calls[0].function.arguments is not valid JSON"),
 ]
 
 

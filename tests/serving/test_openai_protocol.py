@@ -34,9 +34,9 @@ def test_text_format_and_no_field_mean_free_text():
 
 
 def test_both_endpoints_carry_it_into_the_sampling_params():
-    _, params = chat_request({"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 512)
-    assert params.structured_output == StructuredOutputs(json_object=True)
+    chat = chat_request({"messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "json_object"}}, 512)
+    assert chat.params.structured_output == StructuredOutputs(json_object=True)
     request = completion_request({"prompt": "x", "guided_regex": "[a-z]"}, 512)
     assert request.params.structured_output == StructuredOutputs(regex="[a-z]")
 
@@ -64,3 +64,32 @@ def test_malformed_bodies_are_refused_naming_the_field(body, message):
 def test_stream_options_are_checked_not_ignored(options, message):
     with pytest.raises(InvalidRequestError, match=message):
         completion_request({"prompt": "x", "stream": True, "stream_options": options}, 512)
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: an empty object
+
+
+def _tools(**fields):
+    return chat_request({"messages": [{"role": "user", "content": "x"}], "tools": [ADD, NOW], **fields}, 512)
+
+
+def test_tool_choice_required_and_named_are_grammars_of_the_json_call_form():
+    call_add = {"type": "object", "properties": {"name": {"const": "add"}, "parameters": {
+        **ADD["function"]["parameters"], "additionalProperties": False}},
+        "required": ["name", "parameters"], "additionalProperties": False}
+    call_now = {"type": "object", "properties": {"name": {"const": "now"}, "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}},
+        "required": ["name", "parameters"], "additionalProperties": False}
+    named = _tools(tool_choice={"type": "function", "function": {"name": "add"}})
+    assert named.params.structured_output == StructuredOutputs(json=call_add)
+    one = _tools(tool_choice="required", parallel_tool_calls=False)
+    assert one.params.structured_output == StructuredOutputs(json={"anyOf": [call_add, call_now]})
+    several = _tools(tool_choice="required").params.structured_output.json
+    assert several == {"type": "array", "items": {"anyOf": [call_add, call_now]}, "minItems": 1, "maxItems": 8}
+    # auto and none leave the model free; none also reads no calls out of the reply.
+    for choice, parses in (("auto", True), ("none", False), (None, True)):
+        chat = _tools(**({"tool_choice": choice} if choice else {}))
+        assert chat.params.structured_output is None and chat.tools.parses_calls == parses
+    assert chat.tools.names == {"add", "now"}

@@ -49,11 +49,12 @@ def test_openai_completion_and_chat_bodies():
     request = completion_request({"model": "m", "prompt": "a", "echo": True, "logprobs": 2, "max_tokens": 0}, 64)
     assert (request.echo, request.prompt_only, request.params.prompt_logprobs, request.params.max_tokens) == (
         True, True, 2, 1)
-    messages, params = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                     "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}, 64)
-    assert messages[0]["content"] == "x" and (params.max_tokens, params.logprobs) == (5, 2)
+    chat = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                         "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 2}, 64)
+    assert chat.messages[0]["content"] == "x" and (chat.params.max_tokens, chat.params.logprobs) == (5, 2)
+    assert chat.tools is None
     with pytest.raises(InvalidRequestError, match="unknown field"):
-        chat_request({"model": "m", "messages": [], "tools": []}, 64)
+        chat_request({"model": "m", "messages": [], "functions": []}, 64)
 
 
 def test_chat_template_from_tokenizer_config(tmp_path, serving_checkpoint):
