@@ -79,6 +79,26 @@ def test_chat_template_from_tokenizer_config(tmp_path, serving_checkpoint):
         ChatTemplate.from_dir(tmp_path, tokenizer).render(messages)
 
 
+def test_a_template_gets_the_tools_and_the_calls_arguments_as_objects(tmp_path, serving_checkpoint):
+    """As a Llama 4 template reads them: `tools` as transformers passes them, an assistant's
+    tool_calls with arguments as objects (OpenAI sends JSON text), a tool result's tool_call_id."""
+    from warpspec.tokenizer import Tokenizer
+
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+                "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = Tokenizer.from_dir(serving_checkpoint)
+    messages = [{"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3C"}]
+    ids = ChatTemplate.from_dir(tmp_path, tokenizer).render(messages, [{"name": "weather", "parameters": {}}])
+    expected = "[weather]<user>Oslo?<assistant>weather(Oslo)<tool>3C#c1"
+    assert tokenizer.hf.decode(ids, skip_special_tokens=False) == expected
+
+
 def test_serve_args_convert_strings_and_name_unknown_args():
     config = ServeConfig.from_args({"model": "/m", "num_workers": "2", "max_replicas": "3",
                                     "target_ongoing_requests": "4", "warmup": "false", "draft": "null"})
