@@ -154,16 +154,20 @@ class Llama4Experts(nn.Module):
         self.gate_up_proj_scale: nn.Parameter | None = None
         self.down_proj_scale: nn.Parameter | None = None
 
-    def store_inputs_contiguous(self) -> None:
-        """Lay each expert's weights out with the input dimension contiguous, [E, out, in] in memory,
-        the shapes unchanged (gate_up_proj still [E, H, 2I]). A CPU's compiled step reads each token's
-        expert by index (kernels/moe.py, moe_experts_fixed_shape), and inductor computes its
-        [1, in] @ [in, out] as a sum over `in`: contiguous, that sum vectorizes. The bundled target's
-        expert shapes, compiled, 2 threads: 1 / 4 / 8 / 32 tokens in 49 / 72 / 99 / 196 us against
-        56 / 114 / 186 / 412 (benchmarks/results/2026-12-02-expert-layout-cpu.md). Eager GEMMs take
-        the transposed operand as it is."""
+    def lay_out_inputs_contiguous(self) -> None:
+        """Before the weights load: re-allocate each expert's weights (uninitialised) with the input
+        dimension contiguous, [E, out, in] in memory, the shapes unchanged (gate_up_proj still
+        [E, H, 2I]); the loader then writes them in that layout (layers.load_experts), with no second
+        copy. A CPU's compiled step reads each token's expert by index (kernels/moe.py,
+        moe_experts_fixed_shape), and inductor computes its [1, in] @ [in, out] as a sum over `in`:
+        contiguous, that sum vectorizes. The bundled target's expert shapes, compiled, 2 threads:
+        1 / 4 / 8 / 32 tokens in 49 / 72 / 99 / 196 us against 56 / 114 / 186 / 412
+        (benchmarks/results/2026-12-02-expert-layout-cpu.md). Eager GEMMs take the transposed operand
+        as it is."""
         for param in (self.gate_up_proj, self.down_proj):
-            param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+            num_local, num_in, num_out = param.shape
+            param.data = torch.empty(num_local, num_out, num_in, dtype=param.dtype,
+                                     device=param.device).transpose(1, 2)
 
     def _gate_up_cols(self) -> tuple[slice, slice]:
         """This rank's gate columns and up columns of a [.., 2I] gate_up tensor."""

@@ -6,7 +6,10 @@ parameters allocated empty: peak memory stays near the model's own size (plus on
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +78,25 @@ def iter_checkpoint_tensors(files: list[Path]) -> Iterator[CheckpointTensor]:
             raise CheckpointError(f"corrupt or unreadable safetensors file {path}: {e}") from None
 
 
+def read_ahead(files: list[Path]) -> threading.Thread:
+    """Ask the kernel to read files into the page cache, on a thread of its own, while the loader
+    copies the tensors already there: the disk and the copies overlap instead of taking turns (a
+    2 GB checkpoint, cache dropped: 0.58x of a sequential read without, `warpspec bench weights
+    --cold`). Only for a rank that reads every byte: with several ranks each reads its slices."""
+    def advise() -> None:
+        for path in files:
+            with contextlib.suppress(OSError, AttributeError):  # posix_fadvise: Linux and most Unixes
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+
+    thread = threading.Thread(target=advise, name="warpspec-read-ahead", daemon=True)
+    thread.start()
+    return thread
+
+
 @dataclass
 class LoadReport:
     bytes_read: int  # checkpoint bytes this rank read (its shard plus the replicated tensors)
@@ -96,6 +118,12 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     with torch.device(device):
         model = Llama4ForCausalLM(config, resolve_dtype(dtype, config), comm, moe_parallel)
     fp8_modules = apply_quantization(model, quant, files, prefix)
+    if torch.device(device).type == "cpu":  # GPU kernels read the checkpoint's layouts
+        for module in model.modules():
+            if isinstance(module, Llama4Experts):
+                module.lay_out_inputs_contiguous()
+    if comm is None or comm.world_size == 1:
+        read_ahead(files)
     params = dict(model.named_parameters())
     pending = {(hf_name, shard): name for name in params for hf_name, shard in checkpoint_names(name)}
     bytes_read = 0
@@ -121,10 +149,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         missing = sorted(prefix + hf_name for hf_name, _ in pending)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"checkpoint {model_dir} is missing tensor {shown}")
-    if torch.device(device).type == "cpu":  # GPU kernels read the checkpoint's layouts
-        for module in model.modules():
-            if isinstance(module, Llama4Experts):
-                module.store_inputs_contiguous()
+    if torch.device(device).type == "cpu":
         model.store_head_columns_contiguous()
     model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()),
                                    fp8_modules)

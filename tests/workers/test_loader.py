@@ -140,7 +140,7 @@ def test_auto_dtype_takes_the_checkpoints(checkpoint):
 
 
 def test_cpu_experts_hold_the_checkpoints_values_with_the_input_dimension_contiguous(checkpoint):
-    """Llama4Experts.store_inputs_contiguous: [E, H, 2I] as before, laid out as [E, 2I, H] in memory."""
+    """Llama4Experts.lay_out_inputs_contiguous: [E, H, 2I] as before, laid out as [E, 2I, H] in memory."""
     model = load_model(checkpoint, "float32")
     stored = load_file(checkpoint / "model.safetensors")
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.feed_forward, "experts")]
