@@ -4,7 +4,8 @@ decode attention and the small-batch MoE achieve against a plain copy; 3) one si
 rank in FP8 with CUDA graphs: decode and 4-token verify at batch 1 and 8, the bytes each step must
 read and the time floor they imply; 4) the EAGLE-3 draft at Maverick's width, timed per speculative
 step; and a projection of tokens/s per user on 8 GPUs that counts the rank, its all-reduces, the
-engine's host time per step and the draft.
+engine's host time per step and the draft. `--profile` adds the top 15 kernels of one eager decode
+step at batch 1 of each simulated layout (torch.profiler; CPU ops under --tiny).
 
 On one H200 it finishes in a few minutes. `--tiny` shrinks every shape so the same code runs on a
 CPU (Triton under its interpreter, the model on the torch references): the tests run it that way.
@@ -13,6 +14,7 @@ CPU (Triton under its interpreter, the model on the torch references): the tests
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the engine's host time per step (warpspec bench dispatch's host overhead p50)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3, help="k, the draft length")
     parser.add_argument("--skip-simulation", action="store_true", help="kernels and bandwidth only")
+    parser.add_argument("--profile", action="store_true",
+                        help="the top kernels of one decode step of the simulated rank (torch.profiler)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -56,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (3 if args.tiny else 50)
     started = time.perf_counter()
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-                    or "cpu", "tiny": args.tiny, "torch": torch.__version__, "repeats": repeats,
-                    "errors": []}
+                    or "cpu", "device_type": device.type, "tiny": args.tiny, "torch": torch.__version__,
+                    "repeats": repeats, "errors": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         """A killed or hung run (the device's time is short) still leaves every part that finished."""
         report["wall_s"] = time.perf_counter() - started
         (out / "gpu_check.partial.json").write_text(json.dumps(report, indent=2))
-        print(f"gpu_check: {part} done at {report['wall_s']:.0f} s", flush=True)
+        memory = f", {torch.cuda.memory_allocated(device) / 1e9:.1f} GB allocated" if device.type == "cuda" else ""
+        print(f"gpu_check: {part} done at {report['wall_s']:.0f} s{memory}", flush=True)
 
     copy_gbs = copy_bandwidth_gbs(device, (1 << 20) if args.tiny else (4 << 30), repeats)
     report["copy_bandwidth_gbs"] = copy_gbs
@@ -76,13 +81,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_simulation:
         shape = maverick_rank.RankShape.tiny() if args.tiny else maverick_rank.RankShape()
         report["simulation"] = []
+        if args.profile:
+            report["profile"] = {}
         for layout in ("tensor", "expert"):  # one rank model at a time: each holds the whole rank's experts
             try:
                 simulation = maverick_rank.run_simulation(replace(shape, moe_parallel=layout), device,
-                                                          max(3, repeats // 5))
+                                                          max(3, repeats // 5), profile=args.profile)
                 report["simulation"] += simulation["rows"]
+                if args.profile:
+                    report["profile"][layout] = simulation["profile"]
             except Exception as e:  # report what ran; a failure here must not lose parts 1 and 2
                 report["errors"].append(f"simulation ({layout}): {type(e).__name__}: {str(e)[:500]}")
+            # Both layouts' models do not fit at once. The first --profile run on an H200 (2026-12-04)
+            # still held the tensor layout's model when the expert one was built (out of memory);
+            # collecting here, with the profile taken before the graphs, fixed it.
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             checkpoint(f"simulation ({layout})")
@@ -122,10 +135,11 @@ def render(report: dict) -> str:
             continue
         lines.append(f"| {k['name']} | {k['relative_error']:.3g} | {k['tolerance']:g} | {k['passed']} | "
                      f"{k['triton_ms']:.4f} | {k['reference_ms']:.4f} | {k['speedup']:.2f}x |")
-    lines += ["", "| memory-bound kernel | bytes | ms | GB/s | fraction of copy bandwidth |", "|---|---|---|---|---|"]
+    lines += ["", "| memory-bound kernel | bytes | ms | timed | GB/s | fraction of copy bandwidth |",
+              "|---|---|---|---|---|---|"]
     for b in report["bandwidth"]:
-        lines.append(f"| {b['kernel']} | {b['bytes']:,} | {b['triton_ms']:.4f} | {b['achieved_gbs']:.0f} | "
-                     f"{b['fraction_of_copy']:.0%} |")
+        lines.append(f"| {b['kernel']} | {b['bytes']:,} | {b['triton_ms']:.4f} | {b.get('timed', 'eager')} "
+                     f"| {b['achieved_gbs']:.0f} | {b['fraction_of_copy']:.0%} |")
     if "simulation" in report:
         lines += ["", "One Maverick rank of 8 (FP8 weights), routed experts split by width over the 8 ranks "
                   "(tensor) or 16 whole ones per rank (expert, the busiest rank: every token routed to its experts):",
@@ -153,6 +167,13 @@ def render(report: dict) -> str:
                 lines.append(f"| {latency} | {p['moe_parallel']} | {p['batch']} | {p['query_len']} "
                              f"| {p['rank_ms']:.3f} | {p['allreduce_ms']:.3f} | {p['host_ms']:.3f} "
                              f"| {p['draft_ms']:.3f} | {p['step_ms']:.3f} | {p['tok_s_per_user']:.0f} |")
+    for layout, rows in report.get("profile", {}).items():
+        lines += ["", f"Top kernels of one eager decode step at batch 1, {layout} layout (torch.profiler; "
+                  f"{'device' if report.get('device_type') == 'cuda' else 'CPU'} time):", "",
+                  "| kernel | calls | total ms | fraction of step |", "|---|---|---|---|"]
+        for p in rows:
+            name = p["name"].replace("|", "/")[:100]  # C++ template names run to hundreds of characters
+            lines.append(f"| {name} | {p['calls']} | {p['total_ms']:.3f} | {p['fraction']:.1%} |")
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e}" for e in report["errors"]]]
     return "\n".join(lines) + "\n"

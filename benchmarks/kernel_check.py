@@ -4,7 +4,11 @@ by row), and the memory bandwidth that decode attention and the small-batch
 MoE path achieve, as a fraction of what a plain copy achieves.
 
 Shapes are one Maverick rank's (of 8): 5 query heads and 1 KV head of 128 dims, hidden 5120, 16 local
-experts with intermediate 8192. `tiny` shrinks them for a CPU run under the Triton interpreter.
+experts with intermediate 8192 (the expert layout), or 128 experts at 1/8 of that width (the tensor
+layout, which the simulated rank runs). `tiny` shrinks them for a CPU run under the Triton interpreter.
+The MoE rows are also timed as CUDA graphs (what decode runs), each replay going through 8 routings
+to different experts so that no expert is still in L2 from the replay before: the bandwidth table
+uses that time.
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ class Shapes:
     context: int = 4096  # tokens already cached per sequence in the attention checks
     experts: int = 16
     inter: int = 8192
+    rank_experts: int = 128  # moe_parallel="tensor": every expert at 1/8 of its width
+    rank_inter: int = 1024
 
     @classmethod
     def tiny(cls) -> Shapes:
-        return cls(hidden=128, heads=5, kv_heads=1, head_dim=32, block_size=16, context=40, experts=4, inter=64)
+        return cls(hidden=128, heads=5, kv_heads=1, head_dim=32, block_size=16, context=40, experts=4, inter=64,
+                   rank_experts=8, rank_inter=32)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class KernelResult:
     reference_ms: float
     bytes_moved: int = 0  # the bytes the kernel must read/write, where bandwidth is reported
     error: str = ""  # a kernel that failed to compile or run
+    graph_ms: float = float("nan")  # per call, replayed in a CUDA graph (MoE rows on a GPU)
 
     @property
     def speedup(self) -> float:
@@ -96,21 +104,53 @@ def _attention_case(shapes: Shapes, batch: int, query_len: int, dtype, device, g
     return (query, key_cache, value_cache, meta, 1 / math.sqrt(shapes.head_dim), None), kv_bytes
 
 
-def _moe_case(shapes: Shapes, num_tokens: int, fp8: bool, dtype, device, gen):
-    x = torch.randn(num_tokens, shapes.hidden, generator=gen, device=device).to(dtype)
-    logits = torch.randn(num_tokens, shapes.experts, generator=gen, device=device)
+def _moe_case(hidden: int, experts: int, inter: int, num_tokens: int, fp8: bool, dtype, device, gen):
+    """Top-1 routing over experts of [hidden, 2 * inter] and [inter, hidden]; FP8 ones quantized per
+    column, one expert at a time (no float32 copy of all of them). Returns the arguments and the
+    expert bytes one call must read."""
+    x = torch.randn(num_tokens, hidden, generator=gen, device=device).to(dtype)
+    logits = torch.randn(num_tokens, experts, generator=gen, device=device)
     expert_ids, scores = route_topk_sigmoid_reference(logits, 1)
-    gate_up = torch.randn(shapes.experts, shapes.hidden, 2 * shapes.inter, generator=gen, device=device, dtype=dtype)
-    down = torch.randn(shapes.experts, shapes.inter, shapes.hidden, generator=gen, device=device, dtype=dtype)
-    gate_up.mul_(shapes.hidden ** -0.5)
-    down.mul_(shapes.inter ** -0.5)
-    scales = (None, None)
-    if fp8:
-        (gate_up, gate_up_scale), (down, down_scale) = quantize_fp8_columns(gate_up), quantize_fp8_columns(down)
-        scales = (gate_up_scale, down_scale)
+    weight_dtype = torch.float8_e4m3fn if fp8 else dtype
+    gate_up = torch.empty(experts, hidden, 2 * inter, device=device, dtype=weight_dtype)
+    down = torch.empty(experts, inter, hidden, device=device, dtype=weight_dtype)
+    gate_up_scale = torch.empty(experts, 2 * inter, device=device) if fp8 else None
+    down_scale = torch.empty(experts, hidden, device=device) if fp8 else None
+    for e in range(experts):
+        for weight, scale in ((gate_up, gate_up_scale), (down, down_scale)):
+            values = torch.randn(weight.shape[1:], generator=gen, device=device) * weight.shape[1] ** -0.5
+            if fp8:
+                weight[e], scale[e] = quantize_fp8_columns(values)
+            else:
+                weight[e] = values.to(dtype)
     num_used = int(expert_ids.unique().numel())
     weight_bytes = num_used * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    return (x, gate_up, down, expert_ids, scores.to(dtype), 0, *scales), weight_bytes
+    return (x, gate_up, down, expert_ids, scores.to(dtype), 0, gate_up_scale, down_scale), weight_bytes
+
+
+def _rerouted(args: tuple, experts: int, num_routings: int = 8) -> list[tuple]:
+    """The same call with every token's expert moved by e * experts // num_routings, e = 0..7: ids
+    [3, 9] of 16 -> [3, 9], [5, 11], ..., [1, 7]; each routing reads other experts than the last."""
+    x, gate_up, down, expert_ids, *rest = args
+    step = max(1, experts // num_routings)
+    return [(x, gate_up, down, (expert_ids + e * step) % experts, *rest) for e in range(num_routings)]
+
+
+def _graph_ms(fn, arg_sets: list[tuple], device: torch.device, repeats: int) -> float:
+    """Per call: one CUDA graph of fn over every argument set, replayed; nan off the GPU."""
+    if device.type != "cuda":
+        return float("nan")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm-up (Triton compiles) off the capture, as torch asks
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    return median_ms(graph.replay, device, repeats) / len(arg_sets)
 
 
 def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[KernelResult]:
@@ -164,10 +204,18 @@ def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[Ke
         args, kv_bytes = _attention_case(shapes, batch, query_len, dtype, device, gen)
         cases[f"paged_attention {label}, ctx {shapes.context}"] = (paged_attention_triton, paged_attention_reference,
                                                                    args, 0.02, kv_bytes)
-    for num_tokens, fp8 in ((1, True), (8, True), (8, False)):
-        args, weight_bytes = _moe_case(shapes, num_tokens, fp8, dtype, device, gen)
-        label = f"moe_experts {num_tokens} token{'s' if num_tokens > 1 else ''} {'fp8' if fp8 else 'bf16'}"
+    # The expert layout's 16 whole experts, then the tensor layout's 128 slices of 1/8 width (the
+    # simulated rank's, where one token reads a 1/8 slice of one expert: 15.7 MB in FP8).
+    moe_cases = [(shapes.experts, shapes.inter, num_tokens, fp8, "")
+                 for num_tokens, fp8 in ((1, True), (8, True), (8, False))]
+    moe_cases += [(shapes.rank_experts, shapes.rank_inter, num_tokens, True,
+                   f", TP rank [{shapes.rank_experts} x inter {shapes.rank_inter}]") for num_tokens in (1, 8)]
+    graph_args = {}
+    for experts, inter, num_tokens, fp8, suffix in moe_cases:
+        args, weight_bytes = _moe_case(shapes.hidden, experts, inter, num_tokens, fp8, dtype, device, gen)
+        label = f"moe_experts {num_tokens} token{'s' if num_tokens > 1 else ''} {'fp8' if fp8 else 'bf16'}{suffix}"
         cases[label] = (moe_experts_triton, moe_experts_reference, args, 0.05, weight_bytes)
+        graph_args[label] = _rerouted(args, experts)
     results = []
     for name, (triton_fn, reference_fn, args, tolerance, num_bytes) in cases.items():
         try:
@@ -177,6 +225,8 @@ def run_kernel_checks(device: torch.device, tiny: bool, repeats: int) -> list[Ke
                 triton_ms=median_ms(lambda f=triton_fn, a=args: f(*a), device, repeats),
                 reference_ms=median_ms(lambda f=reference_fn, a=args: f(*a), device, repeats),
                 bytes_moved=num_bytes))
+            if name in graph_args:
+                results[-1].graph_ms = _graph_ms(triton_fn, graph_args[name], device, repeats)
         except Exception as e:  # one kernel failing to compile must not lose the others' results
             results.append(KernelResult(name, float("nan"), tolerance, False, float("nan"), float("nan"), num_bytes,
                                         f"{type(e).__name__}: {str(e)[:300]}"))
@@ -197,12 +247,15 @@ def _as_comparable(out):
 
 
 def bandwidth_rows(results: list[KernelResult], copy_gbs: float) -> list[dict]:
+    """The CUDA graph's time where there is one (launches overlapped, as in decode), else eager."""
     rows = []
     for r in results:
         if r.bytes_moved and not r.error:
-            achieved = r.bytes_moved / r.triton_ms / 1e6
-            rows.append({"kernel": r.name, "bytes": r.bytes_moved, "triton_ms": r.triton_ms,
-                         "achieved_gbs": achieved, "fraction_of_copy": achieved / copy_gbs})
+            is_graph = not math.isnan(r.graph_ms)
+            ms = r.graph_ms if is_graph else r.triton_ms
+            achieved = r.bytes_moved / ms / 1e6
+            rows.append({"kernel": r.name, "bytes": r.bytes_moved, "triton_ms": ms, "timed": "graph" if is_graph
+                         else "eager", "achieved_gbs": achieved, "fraction_of_copy": achieved / copy_gbs})
     return rows
 
 

@@ -119,20 +119,26 @@ def bytes_per_step(model: Llama4ForCausalLM, shape: RankShape, num_tokens: int, 
 
 @torch.inference_mode()
 def run_simulation(shape: RankShape, device: torch.device, repeats: int, batches=(1, 8),
-                   query_lens=(1, 4)) -> dict:
+                   query_lens=(1, 4), profile: bool = False) -> dict:
+    """Eager and CUDA-graph times of each (batch, query_len) step; profile: also the top kernels of
+    one eager decode step at batch 1 (profile_step)."""
     model = build_rank(shape, device)
     config, block_size = model.config, 16
     blocks_per_seq = -(-(shape.context + max(query_lens)) // block_size)
     num_blocks = max(batches) * blocks_per_seq + 1  # the last one: CUDA graph padding
     kv_caches = allocate_kv_cache(config, config.num_key_value_heads, num_blocks, block_size, torch.bfloat16, device)
     model.bind_kv_cache(kv_caches)
+    report: dict = {"rows": []}
+    if profile:  # before any graph is captured: the profile sees the eager step alone
+        step = StepInput.build([SequenceStep([7], shape.context, list(range(blocks_per_seq)), 0)], block_size)
+        report["profile"] = profile_step(model, step, device)
     graphs = None
     if device.type == "cuda":
         graphs = CudaGraphRunner(model, CudaGraphConfig(batch_sizes=tuple(batches), query_lens=tuple(query_lens),
                                                         max_model_len=blocks_per_seq * block_size),
                                  pad_block=num_blocks - 1, max_blocks=blocks_per_seq, block_size=block_size,
                                  device=device)
-    rows = []
+    rows = report["rows"]
     for batch in batches:
         for q in query_lens:
             seqs = [SequenceStep([7 + i] * q, shape.context,
@@ -146,7 +152,35 @@ def run_simulation(shape: RankShape, device: torch.device, repeats: int, batches
                 except Exception as e:  # a capture failure is a finding to report, not a crash
                     row["graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-    return {"rows": rows}
+    return report
+
+
+def profile_step(model, step: StepInput, device: torch.device, top: int = 15) -> list[dict]:
+    """The top kernels of one eager step by total time: on a GPU the CUDA kernels' device time (what
+    a CUDA graph replays, without the launch gaps), on a CPU the ops' own CPU time. Each row: name,
+    calls, total_ms and its fraction of the step's total over all kernels (or ops)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    on_gpu = device.type == "cuda"
+    _eager(model, step, device)  # Triton compiles and caches warm outside the profile
+    if on_gpu:
+        torch.cuda.synchronize(device)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    with torch_profile(activities=activities) as prof:
+        _eager(model, step, device)
+        if on_gpu:
+            torch.cuda.synchronize(device)
+    if on_gpu:
+        totals = [(e.key, e.count, e.self_device_time_total) for e in prof.key_averages()
+                  if e.device_type == DeviceType.CUDA]
+    else:
+        totals = [(e.key, e.count, e.self_cpu_time_total) for e in prof.key_averages()]
+    step_us = sum(t for _, _, t in totals) or 1.0
+    totals.sort(key=lambda row: -row[2])
+    return [{"name": name, "calls": calls, "total_ms": us / 1e3, "fraction": us / step_us}
+            for name, calls, us in totals[:top]]
 
 
 def _eager(model, step: StepInput, device: torch.device):

@@ -16,12 +16,13 @@ pytest.importorskip("triton")
 def test_tiny_gpu_check_reports_every_part(tmp_path):
     from warpspec.benchmarks.gpu_check import main
 
-    status = main(["--tiny", "--out", str(tmp_path), "--repeats", "1"])
+    status = main(["--tiny", "--out", str(tmp_path), "--repeats", "1", "--profile"])
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert status == 0 and report["errors"] == []
     names = [k["name"] for k in report["kernels"]]
     for kernel in ("add_rms_norm", "rope + qk_norm", "route_topk_sigmoid", "quantize_fp8", "paged_attention decode",
                    "paged_attention verify", "moe_experts 1 token fp8", "moe_experts 8 tokens bf16",
+                   "moe_experts 1 token fp8, TP rank", "moe_experts 8 tokens fp8, TP rank",
                    "batch_invariant_linear [32 x hidden]", "batch_invariant_linear: 32 rows = each row alone"):
         assert any(n.startswith(kernel) for n in names), kernel
     assert all(k["passed"] and not k["error"] for k in report["kernels"])
@@ -51,8 +52,14 @@ def test_tiny_gpu_check_reports_every_part(tmp_path):
     for p in projection:  # every step pays the host time; only verification pays the draft
         assert p["host_ms"] == report["host_ms"] > 0
         assert p["draft_ms"] == (draft[p["batch"]]["draft_ms"] if p["query_len"] > 1 else 0.0)
+    for layout in ("tensor", "expert"):  # one decode step's top ops (CPU time here), largest first
+        rows = report["profile"][layout]
+        assert 0 < len(rows) <= 15 and all(r["calls"] >= 1 for r in rows)
+        assert [r["total_ms"] for r in rows] == sorted((r["total_ms"] for r in rows), reverse=True)
+        assert 0 < sum(r["fraction"] for r in rows) <= 1 + 1e-9
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| kernel | relative error |" in markdown and "tokens/s per user" in markdown
+    assert "Top kernels of one eager decode step at batch 1, tensor layout" in markdown
     assert "| batch | catch-up ms | one-token forward ms | draft ms per step |" in markdown
 
 

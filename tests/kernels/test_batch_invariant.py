@@ -179,10 +179,16 @@ def test_triton_attention_rows_match_a_lone_decode(dtype, row_invariant_tile_dot
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_moe_rows_match_alone(dtype, row_invariant_tile_dot):
-    """The grouped expert GEMM has fixed tiles of BLOCK_M rows of one expert and never splits K: a
-    token's rows are computed the same in whichever tile, and beside whichever tokens, they land."""
-    from warpspec.kernels.triton.moe import moe_experts_triton, route_topk_sigmoid_triton
+@pytest.mark.parametrize("is_split", [False, True])
+def test_triton_moe_rows_match_alone(dtype, is_split, row_invariant_tile_dot):
+    """The grouped expert GEMM has fixed tiles of BLOCK_M rows of one expert, and cuts K in pieces
+    fixed by the weights' shapes: a token's rows are computed the same in whichever tile, and beside
+    whichever tokens, they land. Split: K in 2 pieces for gate_up (hidden 64 -> 32 + 32) and 3 for
+    down (inter 96 -> 32 + 32 + 32), each of 2 steps; a token alone and 17 tokens (34 rows) run a
+    program per piece, 40 tokens (80 rows, past MAX_SPLIT_ROWS) one program over the pieces."""
+    from warpspec.kernels.triton.moe import GemmConfig, MoeConfig, moe_experts_triton, route_topk_sigmoid_triton
+
+    config = MoeConfig(GemmConfig(32, 16, split_k=2), GemmConfig(32, 16, split_k=3)) if is_split else None
 
     gen = torch.Generator().manual_seed(4)
     hidden, inter, experts = 64, 96, 4
@@ -193,9 +199,9 @@ def test_triton_moe_rows_match_alone(dtype, row_invariant_tile_dot):
 
     def moe(n):
         expert_ids, scores = route_topk_sigmoid_triton(router_logits[:n], 2)
-        return moe_experts_triton(x[:n], gate_up, down, expert_ids, scores)
+        return moe_experts_triton(x[:n], gate_up, down, expert_ids, scores, config=config)
 
     alone = torch.cat([moe_experts_triton(x[i : i + 1], gate_up, down, *route_topk_sigmoid_triton(
-        router_logits[i : i + 1], 2)) for i in range(len(x))])
+        router_logits[i : i + 1], 2), config=config) for i in range(len(x))])
     for num_rows in (2, 17, 40):  # within one tile per expert, then across tiles
         assert torch.equal(moe(num_rows), alone[:num_rows]), num_rows

@@ -22,7 +22,15 @@ from warpspec.kernels.moe import moe_experts_reference, route_topk_sigmoid_refer
 from warpspec.kernels.norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from warpspec.kernels.rope import rope_qk_norm_reference  # noqa: E402
 from warpspec.kernels.triton.attention import paged_attention_triton  # noqa: E402
-from warpspec.kernels.triton.moe import align_by_expert, moe_experts_triton, route_topk_sigmoid_triton  # noqa: E402
+from warpspec.kernels.triton.moe import (  # noqa: E402
+    GemmConfig,
+    MoeConfig,
+    align_by_expert,
+    align_few_by_expert,
+    choose_config,
+    moe_experts_triton,
+    route_topk_sigmoid_triton,
+)
 from warpspec.kernels.triton.norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from warpspec.kernels.triton.rope import rope_qk_norm_triton  # noqa: E402
 
@@ -155,6 +163,17 @@ def test_align_by_expert_pads_each_expert_to_whole_tiles():
     assert (sorted_rows[6:] == -1).all()
 
 
+@pytest.mark.parametrize("num_rows,num_local,first_expert", [(1, 128, 0), (6, 3, 0), (17, 8, 2), (64, 5, 1)])
+def test_align_few_matches_align_by_expert(num_rows, num_local, first_expert):
+    """The one-launch alignment for decode's few rows gives the torch version's tiles exactly, with
+    rows of other ranks' experts (ids outside [first_expert, first_expert + num_local)) left out."""
+    gen = torch.Generator().manual_seed(num_rows)
+    expert_ids = torch.randint(0, num_local + 3, (num_rows,), generator=gen)
+    want = align_by_expert(expert_ids - first_expert, num_local, block_m=16)
+    got = align_few_by_expert(expert_ids, first_expert, num_local, block_m=16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def random_experts(gen, num_experts, hidden, inter, dtype, fp8: bool):
     gate_up = torch.randn(num_experts, hidden, 2 * inter, generator=gen) / math.sqrt(hidden)
     down = torch.randn(num_experts, inter, hidden, generator=gen) / math.sqrt(inter)
@@ -211,6 +230,58 @@ def test_moe_experts_on_a_width_slice(fp8):
     if not fp8:
         whole = moe_experts_reference(x, gate_up, down, expert_ids, scores)
         torch.testing.assert_close(sum(parts), whole, **TOLERANCE[torch.float32])
+
+
+# K cut in 3 pieces: hidden 96 -> [0, 32) [32, 64) [64, 96); inter 80 -> [0, 32) [32, 64) [64, 80).
+SPLIT = MoeConfig(GemmConfig(block_n=32, block_k=16, split_k=3), GemmConfig(block_n=32, block_k=16, split_k=3))
+UNSPLIT = MoeConfig(GemmConfig(block_n=32, block_k=16), GemmConfig(block_n=32, block_k=16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_experts_split_k_agrees_with_unsplit(dtype, fp8):
+    """Pieces of K in programs of their own (5 tokens x top-2 on a rank of experts 2..5: some rows
+    are another rank's, and the partials of both GEMMs are reduced by the epilogue and the combine)
+    against one program walking all of K, and against the reference."""
+    gen = torch.Generator().manual_seed(11)
+    hidden, inter = 96, 80
+    x = torch.randn(5, hidden, generator=gen).to(dtype)
+    expert_ids, scores = route_topk_sigmoid_reference(torch.randn(5, 8, generator=gen), 2)
+    weights = random_experts(gen, 4, hidden, inter, dtype, fp8)
+    args = (x, *weights[:2], expert_ids, scores.to(dtype), 2, *weights[2:])
+    split, unsplit = moe_experts_triton(*args, config=SPLIT), moe_experts_triton(*args, config=UNSPLIT)
+    tolerance = TOLERANCE[dtype] if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(split, unsplit, **tolerance)
+    torch.testing.assert_close(split, moe_experts_reference(*args), **tolerance)
+    is_remote_only = ((expert_ids < 2) | (expert_ids >= 6)).all(dim=1)
+    assert (split[is_remote_only] == 0).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_moe_split_pieces_sum_the_same_in_one_program(monkeypatch, fp8):
+    """Past MAX_SPLIT_ROWS one program walks the pieces itself, in the same order: the same bits as
+    a program per piece (in float32, where no rounding would hide a different order)."""
+    import warpspec.kernels.triton.moe as moe
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(7, 96, generator=gen)
+    expert_ids, scores = route_topk_sigmoid_reference(torch.randn(7, 4, generator=gen), 2)
+    weights = random_experts(gen, 4, 96, 80, torch.float32, fp8)
+    args = (x, *weights[:2], expert_ids, scores, 0, *weights[2:])
+    per_piece = moe_experts_triton(*args, config=SPLIT)
+    monkeypatch.setattr(moe, "MAX_SPLIT_ROWS", 0)
+    assert torch.equal(moe_experts_triton(*args, config=SPLIT), per_piece)
+
+
+def test_moe_config_follows_the_weights_only():
+    """Maverick's expert at a tensor-parallel rank's width (inter 8192 / 8) and whole: a busy tile
+    gets up to 1024 programs, each piece at least 4 steps of K; a tiny expert is not split."""
+    rank = choose_config(5120, 1024, torch.float8_e4m3fn)
+    # 16 column blocks x 16 pieces of 5 steps; 80 x 4 of 4 steps
+    assert (rank.gate_up.split_k, rank.down.split_k) == (16, 4)
+    whole = choose_config(5120, 8192, torch.float8_e4m3fn)
+    assert (whole.gate_up.split_k, whole.down.split_k) == (8, 8)  # 128 x 8 of 10 steps; 80 x 8 of 16
+    assert choose_config(96, 80, torch.bfloat16).gate_up.split_k == 1
 
 
 def test_forced_dispatch_runs_triton_on_cpu(monkeypatch):
