@@ -9,8 +9,8 @@ import json
 
 import jsonschema
 import openai
-import pydantic
 import pytest
+from agent_loop import run_two_tool_loop
 
 from warpspec import SamplingParams
 
@@ -89,41 +89,4 @@ def test_auto_and_none_prompt_with_the_tools_in_the_default_format(client, refer
 
 
 def test_an_agent_frameworks_two_tool_loop(serving_stack):
-    """LangChain's ChatOpenAI as an agent drives it: call get_weather, then add, each answered by a
-    tool message, then a final answer in text. Each turn's request carries the whole history."""
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-
-    # Bounded arguments: the random model would otherwise write a string until max_tokens.
-    class City(pydantic.BaseModel):
-        city: str = pydantic.Field(max_length=12)
-
-    class Terms(pydantic.BaseModel):
-        a: int = pydantic.Field(ge=0, le=99)
-        b: int = pydantic.Field(ge=0, le=99)
-
-    @tool(args_schema=City)
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        return json.dumps({"city": city, "celsius": 3})
-
-    @tool(args_schema=Terms)
-    def add(a: int, b: int) -> int:
-        """a + b."""
-        return a + b
-
-    llm = ChatOpenAI(model="tiny", base_url=f"{serving_stack.http_base}/v1", api_key="unused", temperature=0.0,
-                     max_tokens=60, max_retries=0, timeout=60)
-    tools = {"get_weather": get_weather, "add": add}
-    messages = [HumanMessage("Weather in Oslo, and 2 + 3?")]
-    prompt_tokens = []
-    for name in ("get_weather", "add"):
-        reply = llm.bind_tools(list(tools.values()), tool_choice=name).invoke(messages)
-        prompt_tokens.append(reply.usage_metadata["input_tokens"])
-        (call,) = reply.tool_calls
-        assert call["name"] == name and reply.response_metadata["finish_reason"] == "tool_calls"
-        messages += [reply, ToolMessage(str(tools[name].invoke(call["args"])), tool_call_id=call["id"])]
-    answer = llm.bind_tools(list(tools.values()), tool_choice="none").invoke(messages)
-    assert isinstance(answer.content, str) and answer.content and not answer.tool_calls
-    assert prompt_tokens[0] < prompt_tokens[1] < answer.usage_metadata["input_tokens"]
+    run_two_tool_loop(f"{serving_stack.http_base}/v1", "tiny")
