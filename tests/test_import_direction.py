@@ -22,7 +22,7 @@ RUNTIME = {"common", "config", "core", "sample", "structured_output", "spec_deco
 MAY_IMPORT = {
     "facade": {"entrypoints", "common", "workers"},  # warpspec/__init__.py: LLM, SamplingParams, ...
     "cli": RUNTIME | {"training", "benchmarks", "assets"},
-    "serving": {"entrypoints", "core", "executor", "config", "common", "protos", "workers"},
+    "serving": {"entrypoints", "core", "spec_decode", "executor", "config", "common", "protos", "workers"},
     "entrypoints": {"client", "core", "spec_decode", "config", "common", "workers"},
     "client": {"core", "executor", "spec_decode", "config", "common", "workers"},
     "executor": {"config", "common", "workers"},  # runs steps; knows nothing of scheduling

@@ -175,12 +175,16 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.compiling)
 
     def stats(self) -> EngineStats:
-        blocks = self.block_manager
+        blocks, spec = self.block_manager, self.spec_stats
+        positions = range(max(spec.proposed_at, default=-1) + 1)
         return EngineStats(num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
                            num_running=len(self.scheduler.running), num_waiting=self.num_waiting,
                            prefix_cache_hit_rate=blocks.stats.hit_rate,
-                           acceptance_length=self.spec_stats.acceptance_length,
-                           constrained_acceptance_length=self.spec_stats.constrained_acceptance_length)
+                           acceptance_length=spec.acceptance_length,
+                           constrained_acceptance_length=spec.constrained_acceptance_length,
+                           drafted_at=tuple(spec.proposed_at.get(i, 0) for i in positions),
+                           accepted_at=tuple(spec.accepted_at.get(i, 0) for i in positions),
+                           draft_share=spec.draft_share)
 
     @property
     def num_waiting(self) -> int:

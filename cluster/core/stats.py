@@ -16,3 +16,8 @@ class EngineStats:
     prefix_cache_hit_rate: float  # over all prompt tokens admitted so far
     acceptance_length: float  # engine-wide mean; 0 without speculation
     constrained_acceptance_length: float = 0.0  # the same over requests with a structured output
+    # Drafts proposed and accepted at each draft position (index 0: the first draft), in all so far:
+    # where along the draft acceptance falls off.
+    drafted_at: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
+    draft_share: float = 0.0  # of the engine's step time, the proposer's

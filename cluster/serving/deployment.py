@@ -110,7 +110,8 @@ class WarpspecServer:
         _match_threads_to_reserved_cpus()
         show_startup_log()
         llm = await AsyncLLM.create(settings.model, **settings.engine)
-        metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1])
+        metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1],
+                                 llm.config.speculative.draft, settings.min_acceptance_length)
         self.frontend = ReplicaFrontend(llm, settings.model_name, metrics, settings.stream_interval,
                                       stream_gap_s=settings.stream_gap_ms / 1000)
         self.drain_timeout_s = settings.drain_timeout_s

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 EXPECTED = ["warpspec_time_to_first_token_seconds_bucket", "warpspec_time_per_output_token_seconds_bucket",
             "warpspec_prompt_tokens_total", "warpspec_generation_tokens_total", "warpspec_requests_total",
             "warpspec_num_waiting_requests", "warpspec_num_running_sequences", "warpspec_kv_cache_usage_ratio",
-            "warpspec_prefix_cache_hit_rate", "warpspec_acceptance_length", "warpspec_constrained_acceptance_length"]
+            "warpspec_prefix_cache_hit_rate", "warpspec_acceptance_length", "warpspec_constrained_acceptance_length",
+            "warpspec_draft_time_share", "warpspec_recent_acceptance_length", "warpspec_low_acceptance"]
 
 
 def test_metrics_on_the_ray_metrics_endpoint(ray_cluster, serving_stack):

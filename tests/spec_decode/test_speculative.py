@@ -15,6 +15,7 @@ from warpspec import LLM, SamplingParams
 from warpspec.client.ray_client import RayCoreClient
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify
+from warpspec.serving.metrics import AcceptanceWatch
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
@@ -60,6 +61,26 @@ def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, 
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert all("acceptance_length" in o.metrics for o in outs)
+
+
+def test_engine_stats_count_drafts_and_accepts_per_draft_position(target, draft):
+    """What the replica's per-position counters and its last-minute acceptance read (metrics.py). This
+    random draft is no draft of this target: it accepts next to nothing, which the watch flags."""
+    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=3,
+             enforce_eager=True) as llm:
+        llm.generate(_prompts(), GREEDY)
+        spec, core = llm.engine.spec_stats, llm.engine.stats()
+    assert len(core.drafted_at) == len(core.accepted_at) == 3
+    # Every verification drafts a first token; a draft is accepted only after those before it.
+    assert core.drafted_at[0] == spec.num_verify_steps and sum(core.drafted_at) == spec.num_draft_tokens
+    assert sum(core.accepted_at) == spec.num_accepted_tokens
+    assert list(core.accepted_at) == sorted(core.accepted_at, reverse=True)
+    assert all(a <= d for a, d in zip(core.accepted_at, core.drafted_at, strict=True))
+    assert 0 < core.draft_share < 1
+    watch = AcceptanceWatch(min_acceptance_length=1.3, min_verify_steps=64)
+    watch.update(0.0, (), ())
+    recent = watch.update(1.0, core.drafted_at, core.accepted_at)
+    assert recent == pytest.approx(spec.acceptance_length) and recent < 1.3 and watch.is_low(recent)
 
 
 class ScriptedProposer:
