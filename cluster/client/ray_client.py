@@ -172,5 +172,7 @@ class RayCoreClient:
                 self.requests.discard(delta.request_id)
         return deltas, reply.failures
 
-    def shutdown(self) -> None:
-        self.coordinator.shutdown()
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """timeout_s: how long the coordinator may take to stop its loop and workers before it is
+        killed (0 for a stuck one: it would never answer)."""
+        self.coordinator.shutdown(timeout_s)

@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -56,6 +57,7 @@ class AsyncLLM:
         self.core_is_remote = config.parallel.uses_ray  # a RayCoreClient: the core steps in the coordinator
         self.is_send_scheduled = False
         self.reader: threading.Thread | None = None  # reads the RayCoreClient's replies
+        self.last_progress = time.monotonic()  # the core's last step result, or the first request since idle
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> AsyncLLM:
@@ -96,6 +98,12 @@ class AsyncLLM:
         yet sent to it counted as waiting."""
         return self.engine.stats()
 
+    def stalled_s(self) -> float:
+        """Seconds since the core last delivered a step while requests are in flight; 0 when idle. A
+        core that is stuck (a hung collective, a stopped process) neither answers nor fails, so only
+        this shows it."""
+        return time.monotonic() - self.last_progress if self.streams else 0.0
+
     async def process_ids(self) -> tuple[int | None, list[int]]:
         """(coordinator pid, worker pids) with Ray workers; (None, []) when the model runs in this process."""
         if not self.config.parallel.uses_ray:
@@ -121,6 +129,8 @@ class AsyncLLM:
                                         "(max_waiting_requests); retry later")
         self.engine.add_request(request)  # raises, with Ray workers, once the engine core is gone
         self.output_processor.add(request)
+        if not self.streams:  # busy from now: the stall clock starts here, not at the last step before idling
+            self.last_progress = time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[request_id] = queue
         self._wake()
@@ -159,18 +169,19 @@ class AsyncLLM:
             queue.put_nowait(error)
             self.abort(request_id)
 
-    async def rebuild(self) -> None:
+    async def rebuild(self, is_stuck: bool = False) -> None:
         """Replace the engine with a fresh one from the same config, after a fatal failure (a dead
-        worker or coordinator): new actors, placement group and weights, an empty KV and prefix cache.
-        The old engine's requests have already failed. Builds in a thread, so the event loop keeps
-        answering (health checks, requests refused meanwhile)."""
+        worker or coordinator, or a stuck core: is_stuck, whose coordinator is killed without waiting
+        for an answer): new actors, placement group and weights, an empty KV and prefix cache. The old
+        engine's requests have already failed. Builds in a thread, so the event loop keeps answering
+        (health checks, requests refused meanwhile)."""
         self.is_rebuilding = True
         try:
             # Anything still in flight was on the failed engine (a request admitted as it failed).
             self.fail_all(EngineError("the engine failed and is being rebuilt; retry shortly"))
             await self._stop_loop()  # it steps the old engine
             old, self.reader = self.engine, None  # the old reader ends with the old engine's stream
-            await asyncio.to_thread(old.shutdown)
+            await asyncio.to_thread(old.shutdown, *((0.0,) if is_stuck and self.core_is_remote else ()))
             self.engine = await in_a_passing_thread(make_core_client, self.config)
         finally:
             self.is_rebuilding = False
@@ -240,6 +251,7 @@ class AsyncLLM:
     def _deliver_step(self, deltas: list[RequestDelta], failures: list[StepFailedError], engine=None) -> None:
         if engine is not None and engine is not self.engine:  # a reply from an engine replaced by rebuild()
             return
+        self.last_progress = time.monotonic()
         for error in failures:
             logger.error("an engine step failed; its %d requests fail: %s", len(error.request_ids), error)
             for request_id in error.request_ids:

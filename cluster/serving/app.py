@@ -104,6 +104,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             that served that one (its prefix cache), unless it is much busier (prefix_router.py).
         health_check_period_s (10). drain_timeout_s (30): on scale-down or redeploy, a stopping
             replica's requests may run this long; then Serve stops it and the proxy fails the rest.
+        stall_timeout_s (60): requests in flight and no engine step for this long: the engine is stuck;
+            its requests fail (UNAVAILABLE / 503) and it is rebuilt (0: never).
         min_acceptance_length (1.3): with a draft, an acceptance length below this over the last minute
             logs a warning naming draft and target and sets the warpspec_low_acceptance gauge (0: never).
 

@@ -113,7 +113,8 @@ class WarpspecServer:
         metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1],
                                  llm.config.speculative.draft, settings.min_acceptance_length)
         self.frontend = ReplicaFrontend(llm, settings.model_name, metrics, settings.stream_interval,
-                                      stream_gap_s=settings.stream_gap_ms / 1000)
+                                      stream_gap_s=settings.stream_gap_ms / 1000,
+                                      stall_timeout_s=settings.stall_timeout_s)
         self.drain_timeout_s = settings.drain_timeout_s
         self.limits, self.auth = settings.limits, settings.auth  # auth None: no API key required
         self.service = GenerationService(self.frontend, self.limits, self.auth)
@@ -121,12 +122,14 @@ class WarpspecServer:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         if settings.warmup:  # the replica counts as started (and gets traffic) only after this
             await self.frontend.warm_up()
-        self.stats_task = asyncio.get_running_loop().create_task(self._sample_stats(metrics))
+        self.stats_task = asyncio.get_running_loop().create_task(self._every_period(metrics))
 
-    async def _sample_stats(self, metrics: ServingMetrics) -> None:
+    async def _every_period(self, metrics: ServingMetrics) -> None:
+        """Each STATS_PERIOD_S: the gauges, and the stall watchdog (ReplicaFrontend.check_progress)."""
         while True:
             with contextlib.suppress(Exception):  # a gauge failing to export must not stop serving
                 metrics.record_stats(self.frontend.stats())
+            self.frontend.check_progress()
             await asyncio.sleep(STATS_PERIOD_S)
 
     def __serve_build_asgi_app__(self):

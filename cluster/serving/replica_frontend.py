@@ -53,7 +53,8 @@ class ModelDescription:
 
 class ReplicaFrontend:
     def __init__(self, llm: AsyncLLM, model_name: str | None = None, metrics: ServingMetrics | None = None,
-                 stream_interval: int = 1, rebuild_on_failure: bool = True, stream_gap_s: float = 0.0):
+                 stream_interval: int = 1, rebuild_on_failure: bool = True, stream_gap_s: float = 0.0,
+                 stall_timeout_s: float = 0.0):
         """stream_interval: streamed outputs after the first carry at least this many new tokens (the
         last may carry fewer). Every message costs the serving path a few ms (replica -> proxy -> client: measured
         +4 ms per token at one stream on 2 CPU cores), so fast models stream cheaper in bunches.
@@ -61,13 +62,16 @@ class ReplicaFrontend:
         seconds, carrying every token produced since the last: a fast stream sends fewer, larger
         messages; a stream slower than the gap still sends each token as it comes.
         rebuild_on_failure: after a fatal step failure (a dead worker or coordinator) rebuild the engine
-        in place (new actors, placement group, weights); the replica is unhealthy until it is back."""
+        in place (new actors, placement group, weights); the replica is unhealthy until it is back.
+        stall_timeout_s: requests in flight and no step delivered for this long counts as such a
+        failure (check_progress); 0: never."""
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
         if not stream_gap_s >= 0:
             raise ValueError(f"stream_gap_s must be >= 0 seconds, got {stream_gap_s!r}")
         self.llm = llm
         self.stream_interval, self.stream_gap_s = stream_interval, stream_gap_s
+        self.stall_timeout_s = stall_timeout_s
         config = llm.config
         self.description = ModelDescription(
             name=model_name or Path(config.model).name, path=config.model,
@@ -177,6 +181,22 @@ class ReplicaFrontend:
             doing = " (rebuilding its workers)" if self.rebuild_task is not None else ""
             raise EngineError(f"this replica cannot serve{doing}: {self.failure}")
 
+    def check_progress(self) -> None:
+        """Called every second: a core that delivered no step for stall_timeout_s while requests are in
+        flight is stuck (a hung collective, a stopped process), which no error reports. Its requests
+        end with EngineError (UNAVAILABLE / 503) and the engine is rebuilt, as for a dead worker; the
+        replica is unhealthy meanwhile. An engine that steps in this process (one local worker) blocks
+        this very loop while stuck: then Serve's health check times out and Serve replaces the replica."""
+        if not self.stall_timeout_s or self.failure is not None:
+            return
+        stalled_s = self.llm.stalled_s()
+        if stalled_s > self.stall_timeout_s:
+            error = EngineError(f"the engine core delivered no step for {stalled_s:.0f} s with "
+                                f"{self.llm.num_in_flight} requests in flight (stall_timeout_s "
+                                f"{self.stall_timeout_s:g}): it is stuck")
+            self._fail(str(error), is_stuck=True)
+            self.llm.fail_all(error)
+
     async def processes(self) -> ReplicaProcesses:
         import psutil
 
@@ -194,19 +214,20 @@ class ReplicaFrontend:
         phases = [*self.llm.startup, StartupPhase("warm-up request", round(time.perf_counter() - start, 3), "2 tokens")]
         log_startup_table(phases)
 
-    def _fail(self, reason: str) -> None:
-        """A step failed fatally: refuse work (UNAVAILABLE, health failing) and rebuild the engine."""
+    def _fail(self, reason: str, is_stuck: bool = False) -> None:
+        """A step failed fatally, or the engine is stuck: refuse work (UNAVAILABLE, health failing) and
+        rebuild the engine."""
         if self.failure is None:
             self.failure = reason
             logger.error("replica engine failed: %s; %s", reason,
                          "rebuilding it" if self.rebuild_on_failure else "it stays down")
         if self.rebuild_on_failure and self.rebuild_task is None:
-            self.rebuild_task = asyncio.get_running_loop().create_task(self._rebuild())
+            self.rebuild_task = asyncio.get_running_loop().create_task(self._rebuild(is_stuck))
 
-    async def _rebuild(self) -> None:
+    async def _rebuild(self, is_stuck: bool) -> None:
         start = time.monotonic()
         try:
-            await self.llm.rebuild()
+            await self.llm.rebuild(is_stuck)
             await self.warm_up()
         except Exception as e:  # noqa: BLE001 - the replica stays unhealthy and Serve replaces it
             self.failure = f"{self.failure}; rebuilding failed: {(str(e).splitlines() or [''])[0]}"

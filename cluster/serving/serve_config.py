@@ -37,6 +37,7 @@ class ReplicaSettings:
     stream_interval: int
     stream_gap_ms: float
     drain_timeout_s: float
+    stall_timeout_s: float
     min_acceptance_length: float
     limits: RequestLimits
     auth: ApiKeyAuth | None
@@ -69,6 +70,10 @@ class ServeConfig:
     # Scale-down / redeploy: how long a stopping replica's requests may run on; then Serve stops it
     # (the proxy fails what is left) and its actors and placement group are released.
     drain_timeout_s: float = 30.0
+    # Requests in flight and no engine step for this long: the engine is stuck (a hung collective, a
+    # stopped process); its requests fail UNAVAILABLE / 503 and it is rebuilt (ReplicaFrontend
+    # .check_progress). 0: never.
+    stall_timeout_s: float = 60.0
     # With a draft: below this acceptance length over the last minute the replica warns (a log line
     # naming draft and target, the warpspec_low_acceptance gauge); 0: never. A draft that matches its
     # target accepts 2.4-3.2 at k = 3; one that does not, about 1.0.
@@ -94,6 +99,8 @@ class ServeConfig:
             raise ValueError(f"stream_gap_ms must be >= 0, got {self.stream_gap_ms}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
+        if not self.stall_timeout_s >= 0:
+            raise ValueError(f"stall_timeout_s must be >= 0 seconds (0: no watchdog), got {self.stall_timeout_s}")
         if not (self.min_acceptance_length == 0 or self.min_acceptance_length >= 1):
             raise ValueError(f"min_acceptance_length must be 0 (no warning) or >= 1 (an acceptance length "
                              f"counts the bonus token), got {self.min_acceptance_length}")
@@ -105,8 +112,8 @@ class ServeConfig:
 
     def replica_settings(self) -> ReplicaSettings:
         return ReplicaSettings(self.model, self.engine, self.model_name, self.warmup, self.stream_interval,
-                               self.stream_gap_ms, self.drain_timeout_s, self.min_acceptance_length, self.limits,
-                               self.auth)
+                               self.stream_gap_ms, self.drain_timeout_s, self.stall_timeout_s,
+                               self.min_acceptance_length, self.limits, self.auth)
 
     @property
     def autoscaling_config(self) -> dict[str, Any]:

@@ -262,3 +262,21 @@ def test_requests_cancelled_by_ray_lose_no_message_to_the_engine_core(ray_cluste
     finally:
         ray.get(front.stop.remote(), timeout=60)
         ray.kill(front)
+
+
+def test_the_stall_clock_runs_only_while_requests_are_in_flight(checkpoint):
+    """AsyncLLM.stalled_s, what the replica's watchdog reads: 0 while idle however long, counted from
+    the first request after idling, and back to 0 on each step delivered."""
+    async def main():
+        engine = AsyncLLM.from_options(str(checkpoint), dtype="float32")
+        engine.last_progress -= 3600  # an hour idle since the last step
+        assert engine.stalled_s() == 0.0
+        stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+        await stream.__anext__()  # a step was delivered
+        stalled_while_running = engine.stalled_s()
+        await stream.aclose()
+        await engine.shutdown()
+        return stalled_while_running, engine.stalled_s()
+
+    running, after = asyncio.run(main())
+    assert 0.0 <= running < 60 and after == 0.0

@@ -7,6 +7,7 @@ finishes what it can, cuts off the rest, and releases every actor and placement 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,8 @@ pytestmark = pytest.mark.slow
 FAULT_APP = "faults"
 # Room for three 1,000-token requests: one outlives the drain timeout below.
 SHARDED_ARGS = {**ENGINE_ARGS, "num_workers": 2, "max_model_len": 1024, "num_kv_blocks": 200}
+# The fault app's stall watchdog: far above a step here (milliseconds), short enough for a test.
+STALL_S = 8.0
 
 
 def _alive_actors() -> int:
@@ -64,7 +67,7 @@ def fault_app(serving_stack):
     from ray import serve
 
     baseline = (_alive_actors(), _live_placement_groups())
-    handle = _deploy(FAULT_APP, serving_stack.model_path)
+    handle = _deploy(FAULT_APP, serving_stack.model_path, stall_timeout_s=STALL_S)
     with grpc.insecure_channel(serving_stack.grpc_target) as channel:
         yield handle, channel, serving_stack.http_base
     serve.delete(FAULT_APP)
@@ -141,6 +144,43 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
               f"{actors_before} actors and {groups_before} placement groups")
     rss_after = psutil.Process(after.pid).memory_info().rss
     assert abs(rss_after - rss_before) < 0.10 * rss_before, (rss_before, rss_after)
+
+
+def test_a_stuck_coordinator_fails_its_requests_and_the_replica_rebuilds(fault_app):
+    """A coordinator that is alive but answers nothing (SIGSTOP: as a hung collective would leave it)
+    raises no error anywhere; the watchdog (stall_timeout_s) ends its streams with UNAVAILABLE, the
+    replica reports NOT_SERVING and rebuilds, then serves the same tokens."""
+    handle, channel, _ = fault_app
+    stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
+    expected = _greedy(stub, FAULT_APP)
+    before = handle.processes.remote().result()
+    streams = [_stream(stub, FAULT_APP, max_tokens=1000) for _ in range(2)]
+    for s in streams:
+        s.start()
+    for s in streams:
+        assert s.started.wait(60) and s.code is None, "the stream did not start"
+    os.kill(before.coordinator_pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        for s in streams:
+            s.join(timeout=STALL_S + 20)
+            assert not s.is_alive(), "a stream hung on the stuck coordinator"
+            assert s.code == grpc.StatusCode.UNAVAILABLE and "stuck" in s.details, (s.code, s.details)
+            assert STALL_S <= s.ended_at - stopped_at < STALL_S + 10
+        check = health_pb2.HealthCheckRequest()
+        assert health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        # Rebuilt in place, as for a dead coordinator: the stuck one is killed without a shutdown call
+        # it could never answer (waiting out that call's 30 s, Serve's health checks replaced the replica).
+        wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
+                  health_pb2.HealthCheckResponse.SERVING, 120, "the replica to serve again")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before.coordinator_pid, signal.SIGKILL)
+    after = handle.processes.remote().result()
+    assert after.pid == before.pid and after.num_rebuilds == before.num_rebuilds + 1
+    assert after.coordinator_pid != before.coordinator_pid
+    assert _greedy(stub, FAULT_APP) == expected
 
 
 def test_scale_down_finishes_short_requests_cuts_off_long_ones_and_releases_everything(serving_stack):
