@@ -181,7 +181,10 @@ class AsyncLLM:
             self.fail_all(EngineError("the engine failed and is being rebuilt; retry shortly"))
             await self._stop_loop()  # it steps the old engine
             old, self.reader = self.engine, None  # the old reader ends with the old engine's stream
-            await asyncio.to_thread(old.shutdown, *((0.0,) if is_stuck and self.core_is_remote else ()))
+            if is_stuck and self.core_is_remote:  # it would never answer its shutdown call: kill it at once
+                await asyncio.to_thread(old.shutdown, 0.0)
+            else:
+                await asyncio.to_thread(old.shutdown)
             self.engine = await in_a_passing_thread(make_core_client, self.config)
         finally:
             self.is_rebuilding = False
