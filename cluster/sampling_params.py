@@ -119,6 +119,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Output constrained to a JSON schema, a regex, a choice or a grammar (a dict of its fields is taken too).
     structured_output: StructuredOutputs | None = None
+    # Speculative decoding for this request: None lets the engine choose each step's draft length
+    # (speculative_policy), False never drafts for it, True asks for it (refused where no draft is loaded).
+    speculation: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -159,6 +162,8 @@ class SamplingParams:
             _require_float(name, value)
             if not -2 <= value <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
+        if self.speculation is not None and not isinstance(self.speculation, bool):
+            raise InvalidRequestError(f"speculation must be true, false or null, got {self.speculation!r:.80}")
         if self.seed is not None:
             _require_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -38,7 +38,8 @@ class RayCoreClient:
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.coordinator.num_blocks, config.cache.block_size,
-                                          config.seed, self.model_config.eos_token_ids)
+                                          config.seed, self.model_config.eos_token_ids,
+                                          has_draft=config.speculative.enabled)
         self.requests: set[str] = set()  # added and not yet finished or aborted
         self.pending_adds: list[NewRequest] = []  # not yet sent to the core
         self.pending_aborts: list[str] = []

@@ -32,6 +32,7 @@ DISPATCH_MODES = ("compiled", "actor")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 COMM_BACKENDS = ("auto", "gloo", "shm", "nccl")
 MOE_PARALLEL_MODES = ("tensor", "expert")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")
 
 
 @dataclass
@@ -90,8 +91,14 @@ class SpeculativeConfig:
     # scheme gets); True by Gumbel-max coupling, under which a seeded request's tokens equal its
     # tokens without a draft, at a lower acceptance (sample/rejection_sampler.py).
     coupled_verification: bool = False
+    # adaptive: each step's draft length chosen from measured step costs and acceptance
+    # (spec_decode/draft_length.py); fixed: num_speculative_tokens at every step.
+    speculative_policy: str = "fixed"
 
     def __post_init__(self) -> None:
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
+                             f"got {self.speculative_policy!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")

@@ -21,6 +21,7 @@ from warpspec.config.engine import (
     EXECUTORS,
     MOE_PARALLEL_MODES,
     PLACEMENT_STRATEGIES,
+    SPECULATIVE_POLICIES,
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -57,7 +58,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "(WARPSPEC_ENFORCE_EAGER=1 makes it the default)"),
     EngineOption("cuda_graph_batch_sizes", "cuda_graph_batch_sizes", tuple, CudaGraphConfig.batch_sizes,
                  "batch sizes captured as CUDA graphs (the target's steps, the draft's greedy proposal); on a "
-                 "CPU, compiled steps cover batches up to the largest (larger batches run eagerly)"),
+                 "CPU, compiled steps cover every batch size"),
     EngineOption("seed", "seed", int, 0, "seeds the requests that bring no seed of their own"),
     EngineOption("run_dir", "run_dir", str, "runs", "a local Ray cluster's session files and compile caches"),
     EngineOption("compile_cache", "compile_cache", str, None,
@@ -107,6 +108,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "1 for drafts whose aux layer ids follow SGLang's convention"),
     EngineOption("compile_draft", "speculative.compile_draft", bool, SpeculativeConfig.compile_draft,
                  "torch.compile the draft: its dense parts, and on a CPU its single-token steps whole"),
+    EngineOption("speculative_policy", "speculative.speculative_policy", str, SpeculativeConfig.speculative_policy,
+                 "adaptive: each step drafts the length (0 .. num_speculative_tokens) that the measured step "
+                 "costs and acceptance say yields the most tokens per second; fixed: always "
+                 "num_speculative_tokens", SPECULATIVE_POLICIES),
     EngineOption("coupled_verification", "speculative.coupled_verification", bool,
                  SpeculativeConfig.coupled_verification,
                  "sampled requests verified by Gumbel-max coupling: a seeded request's tokens as without the draft"),

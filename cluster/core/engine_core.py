@@ -4,7 +4,8 @@
     out = executor.execute(plan)      # the model: in-process, or the coordinator's workers
     tokens = sample(...) / verify_batch()  # one token, or the accepted drafts plus one, per sequence
     append, check eos / stop tokens / length  # finished requests leave and free their blocks at once
-    proposer.propose(...)             # when speculating: the next step's draft tokens
+    proposer.propose(...)             # when speculating: the next step's draft tokens, as many per
+                                      # request as the measured step costs say pay (draft_length.py)
 
 A request with a structured output waits outside the scheduler until its grammar's matcher is built
 (off this thread); then every row it samples or verifies is masked to what its grammar allows after
@@ -42,6 +43,8 @@ from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify_batch
 from warpspec.sample.sampler import sample, top_logprobs
 from warpspec.sampling_params import SamplingParams
+from warpspec.spec_decode.cost_model import StepCostModel
+from warpspec.spec_decode.draft_length import DraftLengthPolicy, DraftWant
 from warpspec.spec_decode.draft_loader import load_eagle3_proposer
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats
@@ -65,6 +68,11 @@ class Executor(Protocol):
         """One step on every rank: rank 0's logits, and the hidden states aux_layer_ids asked for."""
 
     def shutdown(self) -> None: ...
+
+# A request decoding without drafts calls the draft once per this many positions (_with_backlogs).
+DRAFT_BACKLOG = 64
+# Batch sizes the step cost model times at start-up: ~1 s on the bundled pair on 2 CPU cores.
+TIMED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _graphs_built(warm_up, whose: str) -> str:
@@ -103,12 +111,15 @@ class EngineCore:
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.block_manager.num_blocks, self.block_size,
-                                          config.seed, self.model_config.eos_token_ids)
+                                          config.seed, self.model_config.eos_token_ids,
+                                          has_draft=self.proposer is not None)
         self.requests: dict[str, Sequence] = {}
         self.compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests awaiting their matcher
         self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.left_request_ids: list[str] = []  # finished or aborted since the executor last heard
         self.spec_stats = SpeculationStats()
+        self.step_costs = StepCostModel()
+        self.draft_lengths = self._draft_length_policy()
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -122,12 +133,65 @@ class EngineCore:
                 phase.detail = _graphs_built(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
         if warm_up_draft is None:
-            return
+            return  # nor take stand-in requests to be timed: its step costs are learnt from real steps
         if self.config.enforce_eager or not self.config.speculative.compile_draft:
             warm_up_draft()  # a proposer of the caller's own may warm up without compiling
-            return
-        with self.startup.phase("compile draft steps") as phase:
-            phase.detail = _graphs_built(warm_up_draft, "draft")
+        else:
+            with self.startup.phase("compile draft steps") as phase:
+                phase.detail = _graphs_built(warm_up_draft, "draft")
+        k = self.draft_lengths.max_drafts
+        # A cache too small to hold the stand-ins' backlog: the costs are learnt from real steps alone.
+        if self.draft_lengths.adaptive and self.executor.num_blocks * self.block_size > DRAFT_BACKLOG + 2 * k:
+            with self.startup.phase("time steps") as phase:
+                phase.detail = self._time_steps()
+
+    def _draft_length_policy(self) -> DraftLengthPolicy | None:
+        if self.proposer is None:
+            return None
+        k = self.config.speculative.num_speculative_tokens
+        graphs = self.config.cuda_graph_config()
+        # Only the lengths whose steps run compiled, or as CUDA graphs: any other runs eagerly and
+        # costs more than the drafts it would save (verification is k + 1 there).
+        lengths = tuple(q - 1 for q in graphs.query_lens) if graphs is not None else tuple(range(k + 1))
+        return DraftLengthPolicy(k, lengths, self.step_costs,
+                                 adaptive=self.config.speculative.speculative_policy == "adaptive")
+
+    def _time_steps(self) -> str:
+        """The step cost model's first figures: the target's step and the draft's proposals at every
+        length a step may choose, for each of TIMED_BATCH_SIZES up to max_num_seqs (larger batches
+        read along the last slope until real steps correct them). Best of 3 each. The stand-in
+        sequences run in the first blocks, which no request holds yet; they leave the executor's batch
+        with the next step."""
+        sizes = [b for b in TIMED_BATCH_SIZES if b <= self.config.scheduler.max_num_seqs]
+        ids = [f"step-cost-{i}" for i in range(max(sizes))]
+        aux_layer_ids = list(self.proposer.aux_layer_ids)
+        k = self.draft_lengths.max_drafts
+        # Blocks for a backlog's catch-up, or the verified tokens and the drafts after them.
+        table = list(range(-(-(DRAFT_BACKLOG + 2 * k + 1) // self.block_size)))
+        for num_drafts in self.draft_lengths.lengths:
+            q = num_drafts + 1
+            # Without drafts the draft reads a backlog once per DRAFT_BACKLOG steps (_with_backlogs).
+            num_positions, share = (DRAFT_BACKLOG, DRAFT_BACKLOG) if num_drafts == 0 else (q, 1)
+            for b in sizes:
+                plan = StepPlan([SequenceStep([0] * q, 0, table, 0, ids[i]) for i in range(b)], self.block_size,
+                                aux_layer_ids)
+                target, draft = [], []
+                for _ in range(3):
+                    start = time.perf_counter()
+                    output = self.executor.execute(plan)
+                    target.append(time.perf_counter() - start)
+                    features = torch.cat(output.aux_hidden, dim=-1)
+                    features = features[:1].expand(b * num_positions, -1).contiguous()
+                    requests = [DraftRequest(ids[i], [0] * num_positions, 0, i * num_positions, num_drafts, table,
+                                             0.0, KeyedRandom(0)) for i in range(b)]
+                    start = time.perf_counter()
+                    self.proposer.propose(requests, [features])
+                    draft.append((time.perf_counter() - start) / share)
+                self.step_costs.set("target", b, q, min(target))
+                self.step_costs.set("draft", b, num_drafts, min(draft))
+        self.left_request_ids.extend(ids)
+        self.proposer.release(ids)
+        return f"{len(sizes)} batch sizes x draft lengths {', '.join(map(str, self.draft_lengths.lengths))}"
 
     def _load_proposer(self) -> Proposer:
         # With one shard (in this process, or the coordinator's only one) the draft shares the
@@ -175,7 +239,7 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.compiling)
 
     def stats(self) -> EngineStats:
-        blocks, spec = self.block_manager, self.spec_stats
+        blocks, spec, policy = self.block_manager, self.spec_stats, self.draft_lengths
         positions = range(max(spec.proposed_at, default=-1) + 1)
         return EngineStats(num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
                            num_running=len(self.scheduler.running), num_waiting=self.num_waiting,
@@ -184,7 +248,11 @@ class EngineCore:
                            constrained_acceptance_length=spec.constrained_acceptance_length,
                            drafted_at=tuple(spec.proposed_at.get(i, 0) for i in positions),
                            accepted_at=tuple(spec.accepted_at.get(i, 0) for i in positions),
-                           draft_share=spec.draft_share)
+                           draft_share=spec.draft_share,
+                           step_costs=tuple((r["step"], r["num_seqs"], r["length"], r["ms"])
+                                            for r in self.step_costs.rows()),
+                           acceptance_rates=tuple(policy.acceptance.rates) if policy else (),
+                           draft_length=policy.last_choice if policy else None)
 
     @property
     def num_waiting(self) -> int:
@@ -245,7 +313,9 @@ class EngineCore:
                                      item.seq.request_id))
         aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else []
         left, self.left_request_ids = self.left_request_ids, []
+        execute_start = time.perf_counter()
         output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left))
+        self._observe_step_cost(sched.scheduled, time.perf_counter() - execute_start)
         logits = output.logits
 
         # Per scheduled sequence, the row of `logits` at its last known token: the sampled row, or the
@@ -295,6 +365,17 @@ class EngineCore:
                 outputs.append(item.seq.take_delta(len(item.draft_token_ids)))
         self.spec_stats.step_time_s += time.perf_counter() - step_start
         return outputs
+
+    def _observe_step_cost(self, scheduled: list[ScheduledSequence], seconds: float) -> None:
+        """A step of decodes and verifications only (no prompt chunk) updates the cost model."""
+        if self.draft_lengths is None or not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1
+                                                 for item in scheduled):
+            return
+        lengths = [len(item.token_ids) for item in scheduled]
+        if min(lengths) == max(lengths):
+            self.step_costs.observe_target(len(lengths), lengths[0], seconds)
+        else:
+            self.step_costs.observe_mixed(len(lengths), max(lengths), seconds)
 
     def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor,
                        ) -> list[tuple[list[int] | None, list[PositionLogprobs] | None]]:
@@ -348,13 +429,15 @@ class EngineCore:
             stats.proposed_at[position] = stats.proposed_at.get(position, 0) + 1
             if position < accepted:
                 stats.accepted_at[position] = stats.accepted_at.get(position, 0) + 1
+        if seq.acceptance is not None:
+            self.draft_lengths.observe(seq.acceptance, num_drafts, accepted)
 
     def _propose(self, scheduled: list[ScheduledSequence], aux_hidden: list[torch.Tensor],
                  num_rejected: dict[str, int]) -> None:
         """Bring the draft up to date on every position the target computed this step, and ask it for
-        the next drafts of each sequence that will decode next step."""
+        the next drafts of each sequence that will decode next step: as many as the draft length
+        policy chooses for that batch (spec_decode/draft_length.py)."""
         requests, live, token_start = [], [], 0
-        k = self.config.speculative.num_speculative_tokens
         for item in scheduled:
             seq = item.seq
             valid = len(item.token_ids) - num_rejected.get(seq.request_id, 0)
@@ -363,25 +446,104 @@ class EngineCore:
                 seq.draft_token_ids, seq.draft_probs = [], None
             if seq.finish_reason is not None:
                 continue
-            num_drafts = 0
-            if item.samples and not seq.params.has_penalties:
-                # Never past max_model_len, and no more than the output still allowed. Never fewer
-                # because KV blocks are short: a request's steps, and so its seeded tokens, must not
-                # depend on the crowd (the scheduler preempts for the verification's blocks instead).
-                num_drafts = max(0, min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                                        self.max_model_len - seq.num_tokens))
             first = item.num_cached
             requests.append(DraftRequest(
-                seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, num_drafts,
+                seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, 0,
                 self.block_manager.block_tables[seq.request_id], seq.params.temperature,
                 seq.random, self.config.speculative.coupled_verification, seq.grammar))
             live.append(item)
-        for item, drafts in zip(live, self.proposer.propose(requests, aux_hidden), strict=True):
+        decoding = [i for i, item in enumerate(live) if item.samples]
+        wants = [self._draft_want(live[i].seq) for i in decoding]
+        for i, num_drafts in zip(decoding, self.draft_lengths.choose(wants), strict=True):
+            requests[i].num_drafts = num_drafts
+        requests, live, aux_hidden = self._with_backlogs(requests, live, aux_hidden)
+        start = time.perf_counter()
+        proposals = self.proposer.propose(requests, aux_hidden)
+        self._observe_draft_cost(requests, live, time.perf_counter() - start)
+        for item, drafts in zip(live, proposals, strict=True):
             if item.samples:
                 item.seq.draft_token_ids, item.seq.draft_probs = drafts.token_ids, drafts.probs
         if self.released:
             self.proposer.release(self.released)
             self.released = []
+
+    def _observe_draft_cost(self, requests: list[DraftRequest], live: list[ScheduledSequence], seconds: float) -> None:
+        """A proposal for decoding requests alone updates the cost model: k drafts each after a catch-up
+        of at most k + 1 positions (the steady state), or only backlogs caught up, which stand for the
+        steps that did not call the draft (per step: the time over the positions each caught up on).
+        A catch-up over a prompt, or a backlog caught up as drafting resumes, is no step's usual cost."""
+        if not requests or not all(item.samples for item in live) or len({r.num_drafts for r in requests}) > 1:
+            return
+        num_drafts, positions = requests[0].num_drafts, [r.num_positions for r in requests]
+        if num_drafts and max(positions) <= self.draft_lengths.max_drafts + 1:
+            self.step_costs.observe_draft(len(requests), num_drafts, seconds)
+        elif not num_drafts and min(positions) > self.draft_lengths.max_drafts + 1:
+            self.step_costs.observe_draft(len(requests), 0, seconds * len(positions) / sum(positions))
+
+    def _with_backlogs(self, requests: list[DraftRequest], live: list[ScheduledSequence],
+                       aux_hidden: list[torch.Tensor]) -> tuple[list[DraftRequest], list[ScheduledSequence],
+                                                                list[torch.Tensor]]:
+        """The requests to send the proposer, their items, and the features they read. A decoding
+        request that drafts nothing this time keeps its new positions' features instead (its backlog):
+        a plain step should cost the target's step alone, and the draft's catch-up costs about half of
+        that at batch 1 here (1.2 against 2.2 ms). Every DRAFT_BACKLOG positions, or as soon as it
+        drafts again, it catches up on them all in one call, one step of a few rows instead of many of
+        one. The features of what is sent then form one tensor, the backlogs' rows before each
+        request's own: [a0 a1 | b0] with a's backlog [a_-2 a_-1] -> [a_-2 a_-1 a0 a1 | b0]."""
+        if not self.draft_lengths.adaptive:
+            return requests, live, aux_hidden
+        features = None  # this step's [num_tokens, 3 * hidden], read only where a backlog changes
+        sent, sent_live, caught_up = [], [], {}  # caught_up: index in sent -> its rows, backlog first
+        for r, item in zip(requests, live, strict=True):
+            seq = item.seq
+            if seq.draft_backlog and seq.draft_backlog_start + seq.draft_backlog_len != r.first_position:
+                seq.draft_backlog = []  # recomputed after a preemption: this catch-up covers it again
+            defer = item.samples and r.num_drafts == 0 and seq.draft_backlog_len + r.num_positions < DRAFT_BACKLOG
+            if not defer and not seq.draft_backlog:
+                sent.append(r)
+                sent_live.append(item)
+                continue
+            if features is None:
+                features = torch.cat(aux_hidden, dim=-1)
+            rows = features[r.feature_start : r.feature_start + r.num_positions]
+            if defer:
+                if not seq.draft_backlog:
+                    seq.draft_backlog_start = r.first_position
+                seq.draft_backlog.append(rows)  # a view: a decode step's features are a few rows in all
+                continue
+            rows = caught_up[len(sent)] = torch.cat([*seq.draft_backlog, rows])
+            r.first_position = seq.draft_backlog_start
+            r.token_ids = seq.all_token_ids[r.first_position + 1 : r.first_position + 1 + rows.shape[0]]
+            seq.draft_backlog = []
+            sent.append(r)
+            sent_live.append(item)
+        if not caught_up:
+            return sent, sent_live, aux_hidden
+        parts, num_rows = [], 0
+        for index, r in enumerate(sent):
+            rows = caught_up.get(index)
+            if rows is None:
+                rows = features[r.feature_start : r.feature_start + r.num_positions]
+            r.feature_start, num_rows = num_rows, num_rows + rows.shape[0]
+            parts.append(rows)
+        return sent, sent_live, [torch.cat(parts)]
+
+    def _draft_want(self, seq: Sequence) -> DraftWant:
+        """How many drafts seq may verify next step, and what it has accepted so far."""
+        params = seq.params
+        most = 0
+        if not params.has_penalties and params.speculation is not False:
+            # Never past max_model_len, and no more than the output still allowed. Never fewer
+            # because KV blocks are short: a request's steps, and so its seeded tokens, must not
+            # depend on the crowd (the scheduler preempts for the verification's blocks instead).
+            most = max(0, min(self.draft_lengths.max_drafts, params.max_tokens - len(seq.output_token_ids) - 1,
+                              self.max_model_len - seq.num_tokens))
+        if seq.acceptance is None:
+            seq.acceptance = self.draft_lengths.new_estimate()
+        # A seeded sample verified by rejection sampling drafts as many as it may at every step: its
+        # tokens depend on how many drafts each step verified, which must not depend on the crowd.
+        fixed = params.seed is not None and not params.is_greedy and not self.config.speculative.coupled_verification
+        return DraftWant(most, seq.acceptance, fixed)
 
     def _release(self, request_id: str) -> None:
         """Tell the executor (with the next step) and the proposer (with its next call) to forget a

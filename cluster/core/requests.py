@@ -40,8 +40,11 @@ class RequestValidator:
     refuses is refused by name before it is queued."""
 
     def __init__(self, tokenizer: Tokenizer | None, model: str, vocab_size: int, max_model_len: int,
-                 num_kv_blocks: int, block_size: int, seed: int, eos_token_ids: list[int] | tuple[int, ...] = ()):
+                 num_kv_blocks: int, block_size: int, seed: int, eos_token_ids: list[int] | tuple[int, ...] = (),
+                 has_draft: bool = False):
+        """has_draft: the engine speculates with a draft model (a request may then ask for speculation)."""
         self.tokenizer, self.model = tokenizer, model
+        self.has_draft = has_draft
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.seed_source = torch.Generator().manual_seed(seed)
@@ -91,6 +94,9 @@ class RequestValidator:
                                       f"{self.num_kv_blocks}; lower max_tokens or grow the KV cache")
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)
+        if params.speculation and not self.has_draft:
+            raise InvalidRequestError("speculation is true, but this engine has no draft model to speculate with "
+                                      "(start it with a draft, or leave speculation out)")
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self.seed_source))
         return NewRequest(request_id, prompt_text, prompt_ids, params, seed)
 

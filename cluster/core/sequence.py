@@ -13,6 +13,7 @@ from warpspec.core.messages import RequestDelta
 from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sampling_params import SamplingParams
+from warpspec.spec_decode.draft_length import AcceptanceEstimate
 from warpspec.spec_decode.stats import speculation_metrics
 
 if TYPE_CHECKING:
@@ -47,6 +48,16 @@ class Sequence:
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Its own chance of each draft's acceptance (spec_decode/draft_length.py), from its first verification.
+    acceptance: AcceptanceEstimate | None = field(default=None, repr=False)
+    # Positions the draft has not read yet, from draft_backlog_start on: the target's features there
+    # ([n, 3 * hidden] per step), kept while the request decodes without drafts (engine_core.py).
+    draft_backlog: list[torch.Tensor] = field(default_factory=list, repr=False)
+    draft_backlog_start: int = 0
+
+    @property
+    def draft_backlog_len(self) -> int:
+        return sum(rows.shape[0] for rows in self.draft_backlog)
     # A structured output's matcher, at the end of output_token_ids (the engine core builds it).
     grammar: LLMatcher | None = field(default=None, repr=False)
 

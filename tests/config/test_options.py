@@ -29,7 +29,8 @@ SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "devi
           "num_workers": 3, "executor": "ray", "dispatch": "actor", "placement_strategy": "SPREAD",
           "placement_timeout_s": 4.5, "core_reply_interval_ms": 0.0, "comm_backend": "gloo",
           "moe_parallel": "expert", "draft": "d", "num_speculative_tokens": 5, "aux_layer_offset": 1,
-          "compile_draft": False, "coupled_verification": True}
+          "compile_draft": False, "coupled_verification": True,
+          "speculative_policy": "adaptive"}
 
 
 def _field(config: EngineConfig, path: str):

@@ -59,7 +59,8 @@ def _options(speculation: str, draft) -> dict:
     if speculation == "none":
         return {}
     return dict(draft=str(draft), num_speculative_tokens=3, compile_draft=False,
-                coupled_verification=speculation == "coupled")
+                coupled_verification=speculation == "coupled",
+                speculative_policy="adaptive" if speculation == "adaptive" else "fixed")
 
 
 def _alone(target, draft, speculation: str) -> dict[str, list[int]]:
@@ -78,12 +79,14 @@ def alone_with_draft(target, draft):
     return _alone(target, draft, "rejection")
 
 
-@pytest.mark.parametrize("speculation", ["none", "rejection", "coupled"])
+@pytest.mark.parametrize("speculation", ["none", "rejection", "coupled", "adaptive"])
 def test_staggered_crowd_matches_each_request_alone(target, draft, alone_without_draft, alone_with_draft,
                                                     speculation):
     """Rejection sampling reproduces each request's run alone with the draft; coupled verification
-    (and plain decoding) reproduce its run alone without one."""
-    expected = alone_with_draft if speculation == "rejection" else alone_without_draft
+    (and plain decoding) reproduce its run alone without one. Under the adaptive draft length
+    (rejection sampling) a seeded request drafts as many as it may whatever the crowd, and reads as
+    alone under the fixed one; greedy ones read the same whatever each step drafted."""
+    expected = alone_with_draft if speculation in ("rejection", "adaptive") else alone_without_draft
     requests = _requests()
     with LLM(str(target), dtype="float32", **CROWD, **_options(speculation, draft)) as llm:
         engine = llm.engine

@@ -13,6 +13,7 @@ from eagle3_checkpoints import make_eagle3_checkpoint, make_speculation_draft, m
 
 from warpspec import LLM, SamplingParams
 from warpspec.client.ray_client import RayCoreClient
+from warpspec.errors import InvalidRequestError
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify
 from warpspec.serving.metrics import AcceptanceWatch
@@ -297,3 +298,35 @@ def test_sampled_speculation_matches_the_target_joint_distribution(target, draft
         counts[tuple(out.token_ids[:2])] += 1  # a pair outside the 9 cells would raise KeyError: wrong support
     chi2 = sum((counts[c] - len(params) * joint[c]) ** 2 / (len(params) * joint[c]) for c in joint)
     assert chi2 < 26.12  # the 0.1% point of chi-square with 8 degrees of freedom
+
+
+def test_adaptive_draft_length_keeps_greedy_output_and_times_the_steps(target, draft, reference):
+    """speculative_policy adaptive: the step costs are timed at start-up (target and draft, each batch
+    size up to max_num_seqs, each length a step may choose: every one eagerly), every step drafts
+    what the model says pays, and greedy output is what it is without drafts. A request that opts out
+    never drafts; one that asks for speculation from an engine without a draft is refused."""
+    no_drafts = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, speculation=False)
+    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3, compile_draft=False,
+             enforce_eager=True, speculative_policy="adaptive", max_num_seqs=4) as llm:
+        timed = llm.engine.stats().step_costs
+        outs = llm.generate(_prompts(), GREEDY)
+        opted_out = llm.generate(_prompts()[:2], no_drafts)
+        policy, stats = llm.engine.draft_lengths, llm.engine.stats()
+    assert {(step, n, length) for step, n, length, _ in timed} == {
+        (step, n, length) for step in ("target", "draft") for n in (1, 2, 4) for length in range(4)} - {
+        ("target", n, 0) for n in (1, 2, 4)} | {("target", n, 4) for n in (1, 2, 4)}
+    assert all(ms > 0 for *_, ms in timed)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert [o.token_ids for o in opted_out] == [r.token_ids for r in reference[:2]]
+    assert all("acceptance_length" not in o.metrics for o in opted_out)
+    assert sum(policy.num_chosen.values()) > 0 and len(stats.acceptance_rates) == 3
+    with LLM(str(target), dtype="float32", enforce_eager=True) as llm, pytest.raises(
+            InvalidRequestError, match="speculation is true, but this engine has no draft model"):
+        llm.generate(_prompts()[:1], SamplingParams(max_tokens=2, speculation=True))
+
+
+def test_speculation_policy_and_field_are_checked_at_the_boundary(target):
+    with pytest.raises(ValueError, match="speculative_policy must be one of adaptive, fixed, got 'greedy'"):
+        LLM(str(target), speculative_policy="greedy")
+    with pytest.raises(InvalidRequestError, match="speculation must be true, false or null, got 'yes'"):
+        SamplingParams(speculation="yes")

@@ -1,0 +1,93 @@
+"""What a step costs on this machine: the figures each step's draft length is chosen from
+(draft_length.py).
+
+Three tables of seconds, each keyed by (number of sequences, length):
+- target: uniform steps, every sequence running `length` new tokens (1: a decode, k + 1: a
+  verification of k drafts), which run compiled or as CUDA graphs;
+- mixed: steps of decodes and verifications of different lengths, `length` the longest, which run
+  eagerly and cost more;
+- draft: the proposer's work after a step, `length` drafts per request (0: the draft only reads the
+  positions the target kept).
+
+At warm-up the engine times the shapes it will serve (EngineCore._time_steps); then every real step
+of a known shape moves its entry ALPHA of the way towards what it took, so the table follows the
+contexts that grow, the other processes on the machine and the clocks. A batch size with no entry
+reads between its two nearest neighbours (linearly), or past the largest along the last two's slope:
+
+    target {(8, 4): 10 ms, (16, 4): 18 ms} -> (12, 4): 14 ms, (32, 4): 34 ms
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+ALPHA = 0.1  # a step's weight in its entry: the last ~10 steps of a shape dominate
+MAX_STEP_RATIO = 2.0
+
+
+def _interpolate(points: dict[int, float], x: int) -> float | None:
+    """The value at x of the piecewise-linear curve through points {x: y}, extended beyond its ends
+    (flat below the smallest x, along the last slope above the largest); None without points."""
+    if not points:
+        return None
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if x < xs[0] or len(xs) == 1:
+        return points[xs[0]] if x < xs[0] else points[xs[0]] * x / xs[0]
+    i = min(bisect.bisect(xs, x), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class StepCostModel:
+    target: dict[tuple[int, int], float] = field(default_factory=dict)
+    mixed: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def target_time(self, num_seqs: int, query_len: int) -> float | None:
+        return self._estimate(self.target, num_seqs, query_len)
+
+    def mixed_time(self, num_seqs: int, max_query_len: int) -> float | None:
+        """A mixed step never seen reads as a uniform one of its longest length: a lower bound."""
+        seen = self._estimate(self.mixed, num_seqs, max_query_len)
+        return seen if seen is not None else self.target_time(num_seqs, max_query_len)
+
+    def draft_time(self, num_seqs: int, num_drafts: int) -> float | None:
+        return self._estimate(self.draft, num_seqs, num_drafts)
+
+    def set(self, step: str, num_seqs: int, length: int, seconds: float) -> None:
+        """A figure timed at warm-up, taken as it is: step is "target", "mixed" or "draft"."""
+        getattr(self, step)[num_seqs, length] = seconds
+
+    def observe_target(self, num_seqs: int, query_len: int, seconds: float) -> None:
+        self._observe(self.target, num_seqs, query_len, seconds, self.target_time(num_seqs, query_len))
+
+    def observe_mixed(self, num_seqs: int, max_query_len: int, seconds: float) -> None:
+        self._observe(self.mixed, num_seqs, max_query_len, seconds, self.mixed_time(num_seqs, max_query_len))
+
+    def observe_draft(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
+        self._observe(self.draft, num_seqs, num_drafts, seconds, self.draft_time(num_seqs, num_drafts))
+
+    def rows(self) -> list[dict[str, float | int | str]]:
+        """The table, one row per entry in milliseconds: stats(), /admin/stats, `warpspec bench dispatch`."""
+        return [{"step": step, "num_seqs": num_seqs, "length": length, "ms": round(seconds * 1e3, 4)}
+                for step, table in (("target", self.target), ("mixed", self.mixed), ("draft", self.draft))
+                for (num_seqs, length), seconds in sorted(table.items())]
+
+    @staticmethod
+    def _estimate(table: dict[tuple[int, int], float], num_seqs: int, length: int) -> float | None:
+        return _interpolate({n: s for (n, q), s in table.items() if q == length}, num_seqs)
+
+    @staticmethod
+    def _observe(table: dict[tuple[int, int], float], num_seqs: int, length: int, seconds: float,
+                 before: float | None) -> None:
+        """before: the figure so far, read from the entry's neighbours when it is new. A step counts as
+        at most MAX_STEP_RATIO times it: one slow step (the draft's KV cache growing, a page fault)
+        does not become the figure, while a machine that really slowed down moves it ~10% a step."""
+        if before is None:
+            table[num_seqs, length] = seconds
+        else:
+            table[num_seqs, length] = before + ALPHA * (min(seconds, MAX_STEP_RATIO * before) - before)

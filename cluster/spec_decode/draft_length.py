@@ -1,0 +1,127 @@
+"""How many drafts each request verifies at the next step: 0 .. k, chosen from what steps cost here
+and how often drafts are accepted, so that speculation never makes the batch slower.
+
+A request gains E_i(n) tokens from a step that verifies n of its drafts, and the step costs the
+target's verification plus the draft's proposals (cost_model.py, measured):
+
+    E_i(n) = 1 + r_i[0] + ... + r_i[n - 1]
+    rate(k) = sum_i E_i(n_i) / (T_target(b, k + 1) + T_draft(b, k)),  n_i = min(k, most_i)
+
+r_i[j] is the chance that draft j + 1 is accepted, every draft before it accepted too: a moving
+estimate per request, started from the engine-wide estimate and updated by its own verifications.
+The step takes the k of the largest rate (k = 0: a plain decode, the draft only reading what the
+target kept), among the lengths whose steps run compiled or as CUDA graphs (the engine's query
+lengths less one: 0 and k_max; an eager engine tries every length). Worked example, b = 32 on this
+CPU: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms, T_draft(32, 3) = 4 ms,
+r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) = 32 x 2.8 / 23 ms = 3.9: draft.
+
+A request that cannot take k drafts (near max_tokens, with penalties, opted out) takes fewer and
+the step becomes a mixed one, costed as such. Seeded sampled requests verified by rejection
+sampling take as many as they can at every step, whatever the others do: their tokens depend on
+how many drafts each step verified, and a length chosen from timings would make them depend on the
+crowd and on the machine (the crowd-invariance of issue 21). Gumbel-max coupling would free them (its
+tokens do not depend on the length), but it accepted 16% fewer drafts at temperature 1.0
+(benchmarks/results/2026-12-01-seeded-speculation-cpu.md); with coupled_verification on, they are
+chosen for like any other request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ENGINE_ALPHA = 0.02  # the engine-wide estimate follows the last ~50 verifications (after the first 50, averaged)
+REQUEST_ALPHA = 0.2  # a request's own follows its last few verifications
+# A request that drafts nothing learns nothing: each such step moves its estimate this far back towards
+# the engine's, so a bad stretch does not stop its speculation for good.
+RELAX = 0.1
+MIN_OBSERVED = 16  # verifications before the engine-wide estimate is trusted: until then every step drafts k
+
+
+@dataclass
+class AcceptanceEstimate:
+    rates: list[float]  # [k] the chance draft j + 1 is accepted
+    counts: list[int] = field(default_factory=list)  # [k] verifications that reached position j
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * len(self.rates)
+
+    def expected_tokens(self, num_drafts: int) -> float:
+        return 1.0 + sum(self.rates[:num_drafts])
+
+    def observe(self, num_drafts: int, num_accepted: int, alpha: float, average_first: bool = False) -> None:
+        """One verification of num_drafts drafts, num_accepted of them accepted. average_first: weigh
+        the first 1 / alpha observations equally (a plain mean), then move alpha of the way."""
+        for j in range(min(num_drafts, len(self.rates))):
+            self.counts[j] += 1
+            weight = max(alpha, 1.0 / self.counts[j]) if average_first else alpha
+            self.rates[j] += weight * (float(j < num_accepted) - self.rates[j])
+
+    def relax(self, towards: AcceptanceEstimate, weight: float) -> None:
+        self.rates = [r + weight * (t - r) for r, t in zip(self.rates, towards.rates, strict=True)]
+
+    def copy(self) -> AcceptanceEstimate:
+        return AcceptanceEstimate(list(self.rates))
+
+
+@dataclass
+class DraftWant:
+    """One request that will sample at the next step."""
+    most: int  # drafts it may take (0: none)
+    acceptance: AcceptanceEstimate
+    fixed: bool = False  # takes `most` whatever the step chooses
+
+
+class DraftLengthPolicy:
+    def __init__(self, max_drafts: int, lengths: tuple[int, ...], costs, adaptive: bool = True):
+        """lengths: the draft lengths a step may choose from (0 and max_drafts where steps are
+        compiled; every one otherwise). costs: the engine's StepCostModel. adaptive False: every
+        request takes as many drafts as it may (speculative_policy fixed)."""
+        self.max_drafts = max_drafts
+        self.lengths = tuple(sorted(set(lengths) | {max_drafts}))
+        self.costs = costs
+        self.adaptive = adaptive
+        self.acceptance = AcceptanceEstimate([0.0] * max_drafts)  # engine-wide
+        self.num_observed = 0
+        self.last_choice: int | None = None  # the step-wide length chosen last (None: not chosen by rate)
+        self.num_chosen: dict[int, int] = {}  # step-wide length -> steps that chose it by rate
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        """A request's own estimate, started from the engine's."""
+        return self.acceptance.copy()
+
+    def observe(self, request: AcceptanceEstimate, num_drafts: int, num_accepted: int) -> None:
+        self.num_observed += 1
+        self.acceptance.observe(num_drafts, num_accepted, ENGINE_ALPHA, average_first=True)
+        request.observe(num_drafts, num_accepted, REQUEST_ALPHA)
+
+    def choose(self, wants: list[DraftWant]) -> list[int]:
+        """Drafts per request for the next step, in order."""
+        self.last_choice = None
+        most = [w.most for w in wants]
+        if not self.adaptive or not wants or self.num_observed < MIN_OBSERVED:
+            return most
+        best, best_rate = most, 0.0
+        for k in self.lengths:
+            counts = [w.most if w.fixed else min(k, w.most) for w in wants]
+            rate = self.tokens_per_s(wants, counts)
+            if rate is None:  # a shape never timed: draft as many as may be, as a fixed policy would
+                return most
+            if rate > best_rate:  # ties go to the shorter length, tried first: the same rate for less work
+                best, best_rate, self.last_choice = counts, rate, k
+        self.num_chosen[self.last_choice] = self.num_chosen.get(self.last_choice, 0) + 1
+        for want, count in zip(wants, best, strict=True):
+            if count == 0 and want.most:
+                want.acceptance.relax(self.acceptance, RELAX)
+        return best
+
+    def tokens_per_s(self, wants: list[DraftWant], counts: list[int]) -> float | None:
+        """The modelled rate of a step where request i verifies counts[i] drafts."""
+        num_seqs, longest = len(counts), max(counts)
+        uniform = min(counts) == longest
+        target = (self.costs.target_time(num_seqs, longest + 1) if uniform
+                  else self.costs.mixed_time(num_seqs, longest + 1))
+        draft = self.costs.draft_time(num_seqs, longest)
+        if target is None or draft is None:
+            return None
+        tokens = sum(w.acceptance.expected_tokens(n) for w, n in zip(wants, counts, strict=True))
+        return tokens / max(target + draft, 1e-9)

@@ -1,0 +1,39 @@
+"""The step cost model: figures between and beyond the batch sizes timed, and what one step moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from warpspec.spec_decode.cost_model import ALPHA, StepCostModel
+
+
+def test_unseen_batch_sizes_read_between_and_beyond_the_timed_ones():
+    costs = StepCostModel()
+    costs.set("target", 8, 4, 0.010)
+    costs.set("target", 16, 4, 0.018)
+    assert costs.target_time(12, 4) == pytest.approx(0.014)  # halfway: (10 + 18) / 2 ms
+    assert costs.target_time(32, 4) == pytest.approx(0.034)  # along the last slope: 18 + 16 x 1 ms
+    assert costs.target_time(4, 4) == pytest.approx(0.010)  # below the smallest: no cheaper than it
+    assert costs.target_time(8, 1) is None  # another length: nothing known
+    assert costs.draft_time(8, 3) is None
+
+
+def test_a_mixed_step_never_seen_reads_as_a_uniform_one_of_its_longest_length():
+    costs = StepCostModel()
+    costs.set("target", 8, 4, 0.010)
+    assert costs.mixed_time(8, 4) == pytest.approx(0.010)
+    costs.observe_mixed(8, 4, 0.015)  # the first of its shape starts from that, then moves
+    assert costs.mixed_time(8, 4) == pytest.approx(0.010 + ALPHA * 0.005)
+
+
+def test_a_step_moves_its_figure_a_fraction_and_one_outlier_at_most_twice_that():
+    costs = StepCostModel()
+    costs.observe_draft(8, 3, 0.003)  # nothing known: taken as it is
+    assert costs.draft_time(8, 3) == pytest.approx(0.003)
+    costs.observe_draft(8, 3, 0.004)
+    assert costs.draft_time(8, 3) == pytest.approx(0.003 + ALPHA * 0.001)
+    before = costs.draft_time(8, 3)
+    costs.observe_draft(8, 3, 0.055)  # the draft's KV cache grew: counted as twice the figure
+    assert costs.draft_time(8, 3) == pytest.approx(before + ALPHA * before)
+    rows = costs.rows()
+    assert rows == [{"step": "draft", "num_seqs": 8, "length": 3, "ms": round(costs.draft_time(8, 3) * 1e3, 4)}]

@@ -1,0 +1,79 @@
+"""The draft length policy: the length of the most tokens per second, from measured costs and
+acceptance; seeded samples and requests that may draft less keep their own; the fixed policy."""
+
+from __future__ import annotations
+
+from warpspec.spec_decode.cost_model import StepCostModel
+from warpspec.spec_decode.draft_length import MIN_OBSERVED, RELAX, AcceptanceEstimate, DraftLengthPolicy, DraftWant
+
+
+def _costs() -> StepCostModel:
+    """The module docstring's worked example at batch 32, and batch 1 where verification is nearly free."""
+    costs = StepCostModel()
+    for num_seqs, decode, verify, catch_up, propose in ((1, 2.2, 2.4, 0.1, 1.3), (32, 9.0, 19.0, 1.0, 4.0)):
+        costs.set("target", num_seqs, 1, decode / 1e3)
+        costs.set("target", num_seqs, 4, verify / 1e3)
+        costs.set("draft", num_seqs, 0, catch_up / 1e3)
+        costs.set("draft", num_seqs, 3, propose / 1e3)
+    return costs
+
+
+def _policy(adaptive: bool = True) -> DraftLengthPolicy:
+    policy = DraftLengthPolicy(3, (0, 3), _costs(), adaptive)
+    for _ in range(MIN_OBSERVED):
+        policy.observe(policy.new_estimate(), 3, 3)
+    return policy
+
+
+def _wants(rates: list[float], n: int, most: int = 3, fixed: bool = False) -> list[DraftWant]:
+    return [DraftWant(most, AcceptanceEstimate(list(rates)), fixed) for _ in range(n)]
+
+
+def test_expected_tokens_add_the_chance_of_each_draft():
+    estimate = AcceptanceEstimate([0.8, 0.6, 0.4])
+    assert estimate.expected_tokens(0) == 1.0 and abs(estimate.expected_tokens(3) - 2.8) < 1e-9
+    estimate.observe(3, 1, alpha=0.5)  # the first accepted, the second rejected (and so the third)
+    assert [round(r, 3) for r in estimate.rates] == [0.9, 0.3, 0.2]
+
+
+def test_drafts_where_they_pay_and_decodes_plainly_where_they_do_not():
+    policy = _policy()
+    # Batch 32, r = [0.8, 0.6, 0.4]: 32 x 2.8 / 23 ms = 3.9 tokens/ms against 32 / 10 ms = 3.2.
+    assert policy.choose(_wants([0.8, 0.6, 0.4], 32)) == [3] * 32 and policy.last_choice == 3
+    # r = [0.6, 0.4, 0.2]: 32 x 2.2 / 23 ms = 3.06 tokens/ms: plain decoding wins.
+    assert policy.choose(_wants([0.6, 0.4, 0.2], 32)) == [0] * 32 and policy.last_choice == 0
+    # The same acceptance at batch 1, where a verification costs about a decode: 2.2 / 3.7 ms beats 1 / 2.3 ms.
+    assert policy.choose(_wants([0.6, 0.4, 0.2], 1)) == [3]
+    assert policy.num_chosen == {3: 2, 0: 1}
+
+
+def test_seeded_samples_and_short_requests_keep_their_own_length():
+    policy = _policy()
+    wants = _wants([0.3, 0.1, 0.0], 30) + _wants([0.3, 0.1, 0.0], 1, fixed=True) + _wants([0.9] * 3, 1, most=1)
+    # The seeded one drafts 3 whatever the step chooses, and the short one at most 1. Plain decoding
+    # would be a mixed step, costed as a verification (none of its kind timed yet), for 32.4 tokens
+    # against 30 x 1.4 + 1.4 + 1.9 = 45.3: everyone drafts.
+    assert policy.choose(wants) == [3] * 31 + [1]
+    # Once mixed steps are known to cost what a decode does, the others decode plainly: without the
+    # short one, (30 + 1.4) / (9 + 4) ms against 31 x 1.4 / (19 + 4) ms.
+    policy.costs.set("mixed", 32, 4, 0.009)
+    assert policy.choose(wants[:31]) == [0] * 30 + [3]
+
+
+def test_a_request_that_stopped_drafting_drifts_back_to_the_engines_estimate():
+    policy = _policy()  # the engine's estimate: every draft accepted so far
+    want = _wants([0.0, 0.0, 0.0], 1)[0]
+    policy.costs.set("target", 1, 4, 0.010)  # make batch 1's verification dear: plain wins at first
+    assert policy.choose([want]) == [0]
+    assert [round(r, 3) for r in want.acceptance.rates] == [RELAX] * 3
+
+
+def test_before_enough_verifications_and_under_the_fixed_policy_every_request_drafts_all_it_may():
+    fresh = DraftLengthPolicy(3, (0, 3), _costs())
+    assert fresh.choose(_wants([0.0] * 3, 32)) == [3] * 32 and fresh.last_choice is None
+    fixed = _policy(adaptive=False)
+    assert fixed.choose(_wants([0.0] * 3, 32) + _wants([0.0] * 3, 1, most=2)) == [3] * 32 + [2]
+    unknown = DraftLengthPolicy(3, (0, 3), StepCostModel())  # nothing timed: nothing to choose from
+    for _ in range(MIN_OBSERVED):
+        unknown.observe(unknown.new_estimate(), 3, 0)
+    assert unknown.choose(_wants([0.0] * 3, 4)) == [3] * 4
