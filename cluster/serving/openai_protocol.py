@@ -8,7 +8,8 @@ as vLLM's structured_outputs object (json, regex, choice, grammar) or its older 
 guided_regex / guided_choice / guided_grammar fields; one of these per request. Chat takes tools,
 tool_choice and parallel_tool_calls (tool_request.py checks them and makes the grammar of a required
 call; tool_parser.py reads calls out of the reply). A field the server does not know is refused with
-400 naming it, rather than silently ignored; fields clients send by habit and that change nothing here (user, a null logit_bias, n=1, ...) are accepted.
+400 naming it, rather than silently ignored; fields clients send by habit and that change nothing
+here (user, a null logit_bias, n=1, ...) are accepted.
 
 /v1/completions also takes what evaluation harnesses send: a list of prompts (one choice each, in
 order, with its index), and `echo` with `logprobs`, which returns the prompt's own tokens with their
