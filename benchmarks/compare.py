@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+from warpspec.config.engine import SPECULATIVE_POLICIES
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 
@@ -92,6 +93,36 @@ def format_table(rows: list[dict], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+def eagle3_system(policy: str, policies: list[str]) -> str:
+    """The EAGLE-3 engine's name in the table; the policy is named when several run."""
+    return "warpspec + EAGLE-3 (k=3)" if policies == ["fixed"] else f"warpspec + EAGLE-3 ({policy})"
+
+
+def policy_table(rows: list[dict], batches: list[int]) -> str:
+    """With both draft length policies: per worker layout and batch, adaptive against the better of
+    plain decoding and fixed k=3 (issue 40's goal: >= 0.97x everywhere). Empty otherwise."""
+    def rate(system: str, workers, batch: int) -> float | None:
+        return next((r["tokens_per_s_per_user"].get(str(batch)) for r in rows
+                     if r["system"] == system and r["workers"] == workers), None)
+
+    lines = []
+    for workers in dict.fromkeys(r["workers"] for r in rows if r["system"].endswith("(adaptive)")):
+        plain_name = next(r["system"] for r in rows if r["workers"] == workers and r["system"].startswith("warpspec")
+                          and "EAGLE" not in r["system"])
+        eager = plain_name.removeprefix("warpspec")
+        cells = []
+        for b in batches:
+            plain, fixed = rate(plain_name, workers, b), rate(f"warpspec{eager} + EAGLE-3 (fixed)", workers, b)
+            adaptive = rate(f"warpspec{eager} + EAGLE-3 (adaptive)", workers, b)
+            cells.append("n/a" if None in (plain, fixed, adaptive) else f"{adaptive / max(plain, fixed):.2f}x "
+                         f"({'plain' if plain >= fixed else 'fixed'} {max(plain, fixed):.0f})")
+        lines.append(f"| {workers} | " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    head = "| workers | " + " | ".join(f"batch {b}: adaptive vs the better" for b in batches) + " |"
+    return "\n\n" + "\n".join([head, "|---|" + "---|" * len(batches), *lines])
+
+
 def plot(rows: list[dict], batches: list[int], path: Path) -> None:
     import matplotlib
 
@@ -145,15 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default="runs")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="every warpspec engine eager: no start-up compile (minutes cold), eager speed only")
+    parser.add_argument("--speculative-policies", default="fixed",
+                        help="one EAGLE-3 engine per draft length policy: fixed (k=3 at every step), adaptive "
+                             "(each step's length from measured costs), or both: fixed,adaptive")
     args = parser.parse_args(argv)
     try:
         from transformers import Llama4ForCausalLM
     except ImportError:
         raise SystemExit("the comparison runs transformers beside warpspec: pip install 'warpspec[test]'") from None
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    policies = args.speculative_policies.split(",")
+    if not policies or any(p not in SPECULATIVE_POLICIES for p in policies):
+        raise SystemExit(f"--speculative-policies: a list of {', '.join(SPECULATIVE_POLICIES)}, got "
+                         f"{args.speculative_policies!r}")
     prompts = held_out_prompts()
-    if max(batches) > len(prompts):
-        raise SystemExit(f"--batch-sizes: at most {len(prompts)} (the bundled held-out prompts)")
     if not 1 <= args.batch1_prompts <= len(prompts):
         raise SystemExit(f"--batch1-prompts: between 1 and {len(prompts)} (the bundled held-out prompts)")
 
@@ -172,15 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         from warpspec.executor.ray_env import connect_ray
 
         connect_ray(args.run_dir, num_cpus=ray_cpus)
+    speculating = [(eagle3_system(policy, policies), args.draft, policy) for policy in policies]
     engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(
-        step_modes(layout[1], args.enforce_eager), (("warpspec", None), ("warpspec + EAGLE-3 (k=3)", args.draft)))]
+        step_modes(layout[1], args.enforce_eager), (("warpspec", None, "fixed"), *speculating))]
     with contextlib.ExitStack() as stack:
         # Each engine compiles its steps as it starts (cached under --run-dir): minutes, cold.
-        for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft) in tqdm(
+        for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft, policy) in tqdm(
                 engines, desc="start engines", unit="engine"):
             llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
                                           executor=executor, comm_backend=comm_backend,
-                                          enable_prefix_caching=False,
+                                          enable_prefix_caching=False, speculative_policy=policy,
                                           enforce_eager=enforce_eager, run_dir=args.run_dir))
             systems.append({"system": name.replace("warpspec", "warpspec" + mode), "workers": workers,
                             "llm": llm, "run": warpspec_runner(llm, args.new_tokens)})
@@ -191,8 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                        * sum(batch in s.get("batches", batches) for s in systems) for batch in batches)
         progress = tqdm(total=num_runs, desc="timed generations", unit="run")
         for batch in batches:
-            # Batch 1: each prompt alone, median over them; a larger batch: the first prompts at once.
-            prompt_sets = [[p] for p in prompts[: args.batch1_prompts]] if batch == 1 else [prompts[:batch]]
+            # Batch 1: each prompt alone, median over them; a larger batch: the first prompts at once, the
+            # held-out prompts repeated past their number (no prefix caching: each is computed anew).
+            prompt_sets = ([[p] for p in prompts[: args.batch1_prompts]] if batch == 1
+                           else [[prompts[i % len(prompts)] for i in range(batch)]])
             rates: dict[str, list[float]] = {key: [] for key in results}
             tokens: dict[str, list[list[int]]] = {key: [] for key in results}
             spec_before = {key: copy.deepcopy(s["llm"].engine.spec_stats) for s in systems if "llm" in s
@@ -239,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             "per_prompt_batch1": measured.get(1, {}).get("per_prompt"),
             "same_tokens": all(m["tokens"] == greedy[b]["tokens"] for b, m in measured.items()),
         })
-    table = format_table(rows, batches)
+    table = format_table(rows, batches) + policy_table(rows, batches)
     print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token held-out prompts, "
           f"{args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs; batch 1: median over "
           f"{args.batch1_prompts} prompts run alone")

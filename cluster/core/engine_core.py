@@ -70,7 +70,7 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 # A request decoding without drafts calls the draft once per this many positions (_with_backlogs).
-DRAFT_BACKLOG = 64
+DRAFT_BACKLOG = 128
 # Batch sizes the step cost model times at start-up: ~1 s on the bundled pair on 2 CPU cores.
 TIMED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -154,7 +154,8 @@ class EngineCore:
         # costs more than the drafts it would save (verification is k + 1 there).
         lengths = tuple(q - 1 for q in graphs.query_lens) if graphs is not None else tuple(range(k + 1))
         return DraftLengthPolicy(k, lengths, self.step_costs,
-                                 adaptive=self.config.speculative.speculative_policy == "adaptive")
+                                 adaptive=self.config.speculative.speculative_policy == "adaptive",
+                                 padded=graphs is not None)
 
     def _time_steps(self) -> str:
         """The step cost model's first figures: the target's step and the draft's proposals at every
@@ -306,23 +307,26 @@ class EngineCore:
     def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestDelta]:
         now = time.perf_counter()
         plan = []
+        padded_len = self._padded_len(sched.scheduled)
         for item in sched.scheduled:
             item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
-            plan.append(SequenceStep(item.token_ids, item.num_cached,
-                                     self.block_manager.block_tables[item.seq.request_id], self._logits_from(item),
-                                     item.seq.request_id))
+            # [t, d1] padded to 4: [t, d1, d1, d1]; the padding's KV lands past the last known token,
+            # where a rejected draft's would (rewritten before it is read), and its logits are not read.
+            token_ids = item.token_ids + item.token_ids[-1:] * (padded_len - len(item.token_ids))
+            plan.append(SequenceStep(token_ids, item.num_cached, self.block_manager.block_tables[item.seq.request_id],
+                                     self._logits_from(item), item.seq.request_id))
         aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else []
         left, self.left_request_ids = self.left_request_ids, []
         execute_start = time.perf_counter()
         output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left))
-        self._observe_step_cost(sched.scheduled, time.perf_counter() - execute_start)
+        self._observe_step_cost(sched.scheduled, plan, time.perf_counter() - execute_start)
         logits = output.logits
 
         # Per scheduled sequence, the row of `logits` at its last known token: the sampled row, or the
         # first of the k + 1 rows a verification reads.
         sample_rows, row = [], 0
         for item, p in zip(sched.scheduled, plan, strict=True):
-            sample_rows.append(row + len(p.token_ids) - len(item.draft_token_ids) - 1 - p.logits_from)
+            sample_rows.append(row + len(item.token_ids) - len(item.draft_token_ids) - 1 - p.logits_from)
             if item.wants_prompt_logprobs:
                 self._record_prompt_logprobs(item, logits[row : row + len(p.token_ids) - p.logits_from],
                                              item.num_cached + p.logits_from)
@@ -358,7 +362,7 @@ class EngineCore:
             self._release(seq.request_id)
         if self.proposer is not None:
             draft_start = time.perf_counter()
-            self._propose(sched.scheduled, output.aux_hidden, num_rejected)
+            self._propose(sched.scheduled, [len(p.token_ids) for p in plan], output.aux_hidden, num_rejected)
             self.spec_stats.draft_time_s += time.perf_counter() - draft_start
         for item, (tokens, _) in zip(sched.scheduled, emitted, strict=True):
             if tokens is not None:
@@ -366,12 +370,37 @@ class EngineCore:
         self.spec_stats.step_time_s += time.perf_counter() - step_start
         return outputs
 
-    def _observe_step_cost(self, scheduled: list[ScheduledSequence], seconds: float) -> None:
+    def _padded_len(self, scheduled: list[ScheduledSequence]) -> int:
+        """The length every sequence's share of a step of decodes and verifications is padded to, so
+        that the step runs compiled (or as a CUDA graph): the shortest compiled length that holds the
+        longest share, when max_model_len and the free blocks hold the padding; else 0 (nothing
+        padded). Without it a verification of fewer drafts than k (near max_tokens), or beside shorter
+        ones (penalties, opted out), ran eagerly: 24 ms against 8.5 for the bundled pair at batch 8."""
+        graphs = self.config.cuda_graph_config()
+        if graphs is None or not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1
+                                     and not item.wants_prompt_logprobs for item in scheduled):
+            return 0
+        longest = max(len(item.token_ids) for item in scheduled)
+        padded = min((q for q in graphs.query_lens if q >= longest), default=0)
+        if not padded or any(item.num_cached + padded > self.max_model_len for item in scheduled):
+            return 0
+        # A share ending near its request's last block may need one more for the padding's KV: taken
+        # when free (the request gives it back when it ends), else the step runs as it is.
+        blocks = self.block_manager
+        needed = sum(blocks.blocks_needed(item.num_cached + padded) - len(blocks.block_tables[item.seq.request_id])
+                     for item in scheduled)
+        if needed > blocks.num_free_blocks:
+            return 0
+        for item in scheduled:
+            blocks.allocate(item.seq.request_id, item.num_cached + padded)
+        return padded
+
+    def _observe_step_cost(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], seconds: float) -> None:
         """A step of decodes and verifications only (no prompt chunk) updates the cost model."""
         if self.draft_lengths is None or not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1
                                                  for item in scheduled):
             return
-        lengths = [len(item.token_ids) for item in scheduled]
+        lengths = [len(p.token_ids) for p in plan]
         if min(lengths) == max(lengths):
             self.step_costs.observe_target(len(lengths), lengths[0], seconds)
         else:
@@ -432,16 +461,16 @@ class EngineCore:
         if seq.acceptance is not None:
             self.draft_lengths.observe(seq.acceptance, num_drafts, accepted)
 
-    def _propose(self, scheduled: list[ScheduledSequence], aux_hidden: list[torch.Tensor],
+    def _propose(self, scheduled: list[ScheduledSequence], step_lens: list[int], aux_hidden: list[torch.Tensor],
                  num_rejected: dict[str, int]) -> None:
         """Bring the draft up to date on every position the target computed this step, and ask it for
         the next drafts of each sequence that will decode next step: as many as the draft length
         policy chooses for that batch (spec_decode/draft_length.py)."""
         requests, live, token_start = [], [], 0
-        for item in scheduled:
+        for item, step_len in zip(scheduled, step_lens, strict=True):
             seq = item.seq
             valid = len(item.token_ids) - num_rejected.get(seq.request_id, 0)
-            feature_start, token_start = token_start, token_start + len(item.token_ids)
+            feature_start, token_start = token_start, token_start + step_len  # padding included
             if item.samples:  # its drafts were verified; a mid-prefill chunk keeps them for later
                 seq.draft_token_ids, seq.draft_probs = [], None
             if seq.finish_reason is not None:
@@ -496,7 +525,7 @@ class EngineCore:
         sent, sent_live, caught_up = [], [], {}  # caught_up: index in sent -> its rows, backlog first
         for r, item in zip(requests, live, strict=True):
             seq = item.seq
-            if seq.draft_backlog and seq.draft_backlog_start + seq.draft_backlog_len != r.first_position:
+            if seq.draft_backlog and seq.draft_backlog_end != r.first_position:
                 seq.draft_backlog = []  # recomputed after a preemption: this catch-up covers it again
             defer = item.samples and r.num_drafts == 0 and seq.draft_backlog_len + r.num_positions < DRAFT_BACKLOG
             if not defer and not seq.draft_backlog:
@@ -510,6 +539,7 @@ class EngineCore:
                 if not seq.draft_backlog:
                     seq.draft_backlog_start = r.first_position
                 seq.draft_backlog.append(rows)  # a view: a decode step's features are a few rows in all
+                seq.draft_backlog_end = r.first_position + r.num_positions
                 continue
             rows = caught_up[len(sent)] = torch.cat([*seq.draft_backlog, rows])
             r.first_position = seq.draft_backlog_start

@@ -50,14 +50,16 @@ class Sequence:
     num_accepted_tokens: int = 0
     # Its own chance of each draft's acceptance (spec_decode/draft_length.py), from its first verification.
     acceptance: AcceptanceEstimate | None = field(default=None, repr=False)
-    # Positions the draft has not read yet, from draft_backlog_start on: the target's features there
-    # ([n, 3 * hidden] per step), kept while the request decodes without drafts (engine_core.py).
+    # Positions draft_backlog_start .. draft_backlog_end - 1, which the draft has not read yet: the
+    # target's features there ([n, 3 * hidden] per step), kept while the request decodes without
+    # drafts (engine_core.py).
     draft_backlog: list[torch.Tensor] = field(default_factory=list, repr=False)
     draft_backlog_start: int = 0
+    draft_backlog_end: int = 0
 
     @property
     def draft_backlog_len(self) -> int:
-        return sum(rows.shape[0] for rows in self.draft_backlog)
+        return self.draft_backlog_end - self.draft_backlog_start if self.draft_backlog else 0
     # A structured output's matcher, at the end of output_token_ids (the engine core builds it).
     grammar: LLMatcher | None = field(default=None, repr=False)
 

@@ -72,10 +72,13 @@ class DraftWant:
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_drafts: int, lengths: tuple[int, ...], costs, adaptive: bool = True):
+    def __init__(self, max_drafts: int, lengths: tuple[int, ...], costs, adaptive: bool = True, padded: bool = False):
         """lengths: the draft lengths a step may choose from (0 and max_drafts where steps are
         compiled; every one otherwise). costs: the engine's StepCostModel. adaptive False: every
-        request takes as many drafts as it may (speculative_policy fixed)."""
+        request takes as many drafts as it may (speculative_policy fixed). padded: shorter
+        verifications are padded to the step's length (compiled steps), so a step costs what a
+        uniform one of its longest length does."""
+        self.padded = padded
         self.max_drafts = max_drafts
         self.lengths = tuple(sorted(set(lengths) | {max_drafts}))
         self.costs = costs
@@ -117,7 +120,8 @@ class DraftLengthPolicy:
     def tokens_per_s(self, wants: list[DraftWant], counts: list[int]) -> float | None:
         """The modelled rate of a step where request i verifies counts[i] drafts."""
         num_seqs, longest = len(counts), max(counts)
-        uniform = min(counts) == longest
+        # The engine pads shorter verifications to a compiled length (EngineCore._padded_len).
+        uniform = min(counts) == longest or (self.padded and longest in self.lengths)
         target = (self.costs.target_time(num_seqs, longest + 1) if uniform
                   else self.costs.mixed_time(num_seqs, longest + 1))
         draft = self.costs.draft_time(num_seqs, longest)
