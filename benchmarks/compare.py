@@ -152,12 +152,13 @@ def worker_layout(spec: str) -> tuple[str, int, str, str]:
     return spec, int(count.removeprefix("ray")), executor, comm_backend or "auto"
 
 
-def step_modes(num_workers: int, eager_only: bool = False) -> list[tuple[str, bool]]:
+def step_modes(num_workers: int, eager_only: bool = False, compiled_only: bool = False) -> list[tuple[str, bool]]:
     """(name suffix, enforce_eager): one rank on a CPU compiles its steps by default, and its eager run
-    goes beside it; eager_only (--enforce-eager) runs every engine eager and compiles nothing."""
+    goes beside it unless compiled_only; eager_only (--enforce-eager) runs every engine eager and
+    compiles nothing."""
     if eager_only:
         return [(EAGER, True)]
-    return [("", False), (EAGER, True)] if num_workers == 1 else [("", False)]
+    return [("", False), (EAGER, True)] if num_workers == 1 and not compiled_only else [("", False)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default="runs")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="every warpspec engine eager: no start-up compile (minutes cold), eager speed only")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="no eager run beside one rank's compiled engines (the draft length sweep)")
     parser.add_argument("--speculative-policies", default="fixed",
                         help="one EAGLE-3 engine per draft length policy: fixed (k=3 at every step), adaptive "
                              "(each step's length from measured costs), or both: fixed,adaptive")
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [worker_layout(spec) for spec in args.workers.split(",")]
     # Every engine through Ray holds a CPU per worker, all of them at once (plain and EAGLE-3, compiled
     # and eager): a local cluster must offer that many, oversubscribing a small machine.
-    ray_cpus = sum(2 * len(step_modes(n, args.enforce_eager)) * n
+    ray_cpus = sum(2 * len(step_modes(n, args.enforce_eager, args.compiled_only)) * n
                    for _, n, executor, _ in layouts if executor == "ray" or n > 1)
     if ray_cpus:
         from warpspec.executor.ray_env import connect_ray
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         connect_ray(args.run_dir, num_cpus=ray_cpus)
     speculating = [(eagle3_system(policy, policies), args.draft, policy) for policy in policies]
     engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(
-        step_modes(layout[1], args.enforce_eager), (("warpspec", None, "fixed"), *speculating))]
+        step_modes(layout[1], args.enforce_eager, args.compiled_only), (("warpspec", None, "fixed"), *speculating))]
     with contextlib.ExitStack() as stack:
         # Each engine compiles its steps as it starts (cached under --run-dir): minutes, cold.
         for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft, policy) in tqdm(

@@ -319,7 +319,7 @@ class EngineCore:
         left, self.left_request_ids = self.left_request_ids, []
         execute_start = time.perf_counter()
         output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left))
-        self._observe_step_cost(sched.scheduled, plan, time.perf_counter() - execute_start)
+        execute_s = time.perf_counter() - execute_start
         logits = output.logits
 
         # Per scheduled sequence, the row of `logits` at its last known token: the sampled row, or the
@@ -360,14 +360,18 @@ class EngineCore:
             self.scheduler.remove(seq)
             del self.requests[seq.request_id]
             self._release(seq.request_id)
+        draft_s = 0.0
         if self.proposer is not None:
             draft_start = time.perf_counter()
             self._propose(sched.scheduled, [len(p.token_ids) for p in plan], output.aux_hidden, num_rejected)
-            self.spec_stats.draft_time_s += time.perf_counter() - draft_start
+            draft_s = time.perf_counter() - draft_start
+            self.spec_stats.draft_time_s += draft_s
         for item, (tokens, _) in zip(sched.scheduled, emitted, strict=True):
             if tokens is not None:
                 outputs.append(item.seq.take_delta(len(item.draft_token_ids)))
-        self.spec_stats.step_time_s += time.perf_counter() - step_start
+        step_s = time.perf_counter() - step_start
+        self.spec_stats.step_time_s += step_s
+        self._observe_step_cost(sched.scheduled, plan, execute_s, step_s - execute_s - draft_s)
         return outputs
 
     def _padded_len(self, scheduled: list[ScheduledSequence]) -> int:
@@ -395,16 +399,19 @@ class EngineCore:
             blocks.allocate(item.seq.request_id, item.num_cached + padded)
         return padded
 
-    def _observe_step_cost(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], seconds: float) -> None:
-        """A step of decodes and verifications only (no prompt chunk) updates the cost model."""
+    def _observe_step_cost(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], execute_s: float,
+                           host_s: float) -> None:
+        """A step of decodes and verifications only (no prompt chunk) updates the cost model: the
+        target's step, and the rest of the step outside the target and the draft (host_s)."""
         if self.draft_lengths is None or not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1
                                                  for item in scheduled):
             return
         lengths = [len(p.token_ids) for p in plan]
         if min(lengths) == max(lengths):
-            self.step_costs.observe_target(len(lengths), lengths[0], seconds)
+            self.step_costs.observe_target(len(lengths), lengths[0], execute_s)
         else:
-            self.step_costs.observe_mixed(len(lengths), max(lengths), seconds)
+            self.step_costs.observe_mixed(len(lengths), max(lengths), execute_s)
+        self.step_costs.observe_host(len(lengths), host_s)
 
     def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor,
                        ) -> list[tuple[list[int] | None, list[PositionLogprobs] | None]]:

@@ -5,15 +5,17 @@ A request gains E_i(n) tokens from a step that verifies n of its drafts, and the
 target's verification plus the draft's proposals (cost_model.py, measured):
 
     E_i(n) = 1 + r_i[0] + ... + r_i[n - 1]
-    rate(k) = sum_i E_i(n_i) / (T_target(b, k + 1) + T_draft(b, k)),  n_i = min(k, most_i)
+    rate(k) = sum_i E_i(n_i) / (T_target(b, k + 1) + T_draft(b, k) + T_host(b)),  n_i = min(k, most_i)
 
 r_i[j] is the chance that draft j + 1 is accepted, every draft before it accepted too: a moving
 estimate per request, started from the engine-wide estimate and updated by its own verifications.
-The step takes the k of the largest rate (k = 0: a plain decode, the draft only reading what the
-target kept), among the lengths whose steps run compiled or as CUDA graphs (the engine's query
-lengths less one: 0 and k_max; an eager engine tries every length). Worked example, b = 32 on this
-CPU: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms, T_draft(32, 3) = 4 ms,
-r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) = 32 x 2.8 / 23 ms = 3.9: draft.
+The step takes the k of the largest rate, among the lengths whose steps run compiled or as CUDA
+graphs (the engine's query lengths less one: 0 and k_max; an eager engine tries every length).
+k = 0 is a plain decode; the draft then reads what the target kept once every 128 positions. The
+length chosen last stays unless another beats it by SWITCH_MARGIN. Worked example, b = 32, host
+time aside: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms,
+T_draft(32, 3) = 4 ms, r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) =
+32 x 2.8 / 23 ms = 3.9: draft.
 
 A request that cannot take k drafts (near max_tokens, with penalties, opted out) takes fewer and
 the step becomes a mixed one, costed as such. Seeded sampled requests verified by rejection
@@ -35,6 +37,11 @@ REQUEST_ALPHA = 0.2  # a request's own follows its last few verifications
 # the engine's, so a bad stretch does not stop its speculation for good.
 RELAX = 0.1
 MIN_OBSERVED = 16  # verifications before the engine-wide estimate is trusted: until then every step drafts k
+# A length must beat the one chosen last by this much to replace it. Switching costs what the model
+# does not hold: drafting again after plain steps catches the draft up on them in one eager call,
+# and a plain step of an engine with a draft still returns the draft's features. Without it the
+# bundled pair at batch 32 and 64 (where k = 3 beats plain by 1.2x) ran 0.93x fixed k = 3.
+SWITCH_MARGIN = 0.1
 
 
 @dataclass
@@ -87,6 +94,7 @@ class DraftLengthPolicy:
         self.num_observed = 0
         self.last_choice: int | None = None  # the step-wide length chosen last (None: not chosen by rate)
         self.num_chosen: dict[int, int] = {}  # step-wide length -> steps that chose it by rate
+        self.incumbent: int | None = None  # the length chosen last, kept unless another wins by SWITCH_MARGIN
 
     def new_estimate(self) -> AcceptanceEstimate:
         """A request's own estimate, started from the engine's."""
@@ -109,8 +117,11 @@ class DraftLengthPolicy:
             rate = self.tokens_per_s(wants, counts)
             if rate is None:  # a shape never timed: draft as many as may be, as a fixed policy would
                 return most
+            if k == self.incumbent:
+                rate *= 1 + SWITCH_MARGIN
             if rate > best_rate:  # ties go to the shorter length, tried first: the same rate for less work
                 best, best_rate, self.last_choice = counts, rate, k
+        self.incumbent = self.last_choice
         self.num_chosen[self.last_choice] = self.num_chosen.get(self.last_choice, 0) + 1
         for want, count in zip(wants, best, strict=True):
             if count == 0 and want.most:
@@ -127,5 +138,6 @@ class DraftLengthPolicy:
         draft = self.costs.draft_time(num_seqs, longest)
         if target is None or draft is None:
             return None
+        host = self.costs.host_time(num_seqs) or 0.0  # learnt from real steps: none before the first
         tokens = sum(w.acceptance.expected_tokens(n) for w, n in zip(wants, counts, strict=True))
-        return tokens / max(target + draft, 1e-9)
+        return tokens / max(target + draft + host, 1e-9)
