@@ -11,8 +11,8 @@ r_i[j] is the chance that draft j + 1 is accepted, every draft before it accepte
 estimate per request, started from the engine-wide estimate and updated by its own verifications.
 The step takes the k of the largest rate, among the lengths whose steps run compiled or as CUDA
 graphs (the engine's query lengths less one: 0 and k_max; an eager engine tries every length).
-k = 0 is a plain decode; the draft then reads what the target kept once every 128 positions. The
-length chosen last stays unless another beats it by SWITCH_MARGIN. Worked example, b = 32, host
+k = 0 is a plain decode; the draft then reads what the target kept once every 128 positions. A
+draft length chosen last stays unless plain decoding beats it by SWITCH_MARGIN. Worked example, b = 32, host
 time aside: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms,
 T_draft(32, 3) = 4 ms, r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) =
 32 x 2.8 / 23 ms = 3.9: draft.
@@ -37,10 +37,11 @@ REQUEST_ALPHA = 0.2  # a request's own follows its last few verifications
 # the engine's, so a bad stretch does not stop its speculation for good.
 RELAX = 0.1
 MIN_OBSERVED = 16  # verifications before the engine-wide estimate is trusted: until then every step drafts k
-# A length must beat the one chosen last by this much to replace it. Switching costs what the model
-# does not hold: drafting again after plain steps catches the draft up on them in one eager call,
-# and a plain step of an engine with a draft still returns the draft's features. Without it the
-# bundled pair at batch 32 and 64 (where k = 3 beats plain by 1.2x) ran 0.93x fixed k = 3.
+# Plain decoding must beat the draft length chosen last by this much to replace it: drafting again
+# after plain steps catches the draft up on them in one eager call, which the model does not hold.
+# Without it the bundled pair at batch 32 (where k = 3 beat plain decoding by 1.2x) flapped and ran
+# 0.93x fixed k = 3. A switch back to drafting needs no margin: with one in both directions, batch
+# 64 (where k = 3 won by 1.08x) stayed plain once there, at 0.90x.
 SWITCH_MARGIN = 0.1
 
 
@@ -117,7 +118,7 @@ class DraftLengthPolicy:
             rate = self.tokens_per_s(wants, counts)
             if rate is None:  # a shape never timed: draft as many as may be, as a fixed policy would
                 return most
-            if k == self.incumbent:
+            if k == self.incumbent and k > 0:
                 rate *= 1 + SWITCH_MARGIN
             if rate > best_rate:  # ties go to the shorter length, tried first: the same rate for less work
                 best, best_rate, self.last_choice = counts, rate, k
