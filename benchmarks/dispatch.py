@@ -13,7 +13,8 @@ own clock and the replica's:
   core -> each of ranks 1..N-1 (the msgpack step) and back. The coordinator is rank 0: its logits
   and hidden states cross no boundary.
 Measured for Ray Compiled Graph dispatch and for plain actor calls on a small random checkpoint, and
-with the bundled EAGLE-3 pair, in one run.
+with the bundled EAGLE-3 pair, in one run. The EAGLE-3 replica chooses its draft length per step
+(speculative_policy adaptive), and the table of step costs it chooses from is printed too.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch: int, new_tokens: int,
                  run_dir: str, draft: Path | None = None) -> dict:
+    speculation = {} if draft is None else {"draft": str(draft), "speculative_policy": "adaptive"}
     with LLM(str(model), dtype="float32", num_workers=num_workers, executor="ray", dispatch=dispatch,
-             run_dir=run_dir, draft=None if draft is None else str(draft), compile_draft=False) as llm:
+             run_dir=run_dir, compile_draft=False, **speculation) as llm:
         coordinator = llm.engine.coordinator
         sent: list[int] = []  # bytes of each message to the core
         replies: list[tuple[float, int]] = []  # (stream lag s, bytes) per reply
@@ -65,6 +67,7 @@ def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch
         llm.generate(prompts, params)
         timings = coordinator.take_timings()[1:]  # drop the prefill step: decode steps only
         replies = replies[1:]  # likewise
+        step_costs = llm.engine.stats().step_costs
     host = [(t.core_s - t.slowest_compute_s) * 1e3 for t in timings]
     return {
         "label": label,
@@ -82,6 +85,7 @@ def measure_mode(label: str, model: Path, dispatch: str, num_workers: int, batch
         "core_to_replica_bytes_p50": statistics.median(size for _, size in replies),
         "core_to_worker_bytes_p50": statistics.median(t.step_bytes for t in timings),
         "rank1_to_core_bytes_p50": statistics.median(t.reply_bytes for t in timings),
+        "step_costs": [list(row) for row in step_costs],
     }
 
 
@@ -112,6 +116,24 @@ def format_table(rows: list[dict], messages: dict) -> str:
                      f"| {r['core_to_worker_bytes_p50']:.0f} / {r['rank1_to_core_bytes_p50']:.0f} |")
     lines.append(f"msgpack encode+decode of the step sent to ranks 1..N-1 ({messages['batch']} decoding sequences): "
                  f"{messages['step_input_us']:.0f} us")
+    for r in rows:
+        if r["step_costs"]:
+            lines += ["", f"The step cost model of {r['label']} (ms; target: tokens per sequence, draft: drafts per "
+                      "request, host: the rest of a step), which its adaptive draft length reads:",
+                      step_costs_table(r["step_costs"])]
+    return "\n".join(lines)
+
+
+def step_costs_table(step_costs: list[list]) -> str:
+    """EngineStats.step_costs as one row per (step, length) and a column per batch size."""
+    sizes = sorted({num_seqs for _, num_seqs, _, _ in step_costs})
+    cells: dict[tuple[str, int], dict[int, float]] = {}
+    for step, num_seqs, length, ms in step_costs:
+        cells.setdefault((step, length), {})[num_seqs] = ms
+    lines = ["| step | length | " + " | ".join(f"batch {n}" for n in sizes) + " |", "|---|---|" + "---|" * len(sizes)]
+    for (step, length), by_size in cells.items():
+        lines.append(f"| {step} | {length} | " + " | ".join(f"{by_size[n]:.2f}" if n in by_size else "-"
+                                                          for n in sizes) + " |")
     return "\n".join(lines)
 
 

@@ -240,7 +240,9 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.compiling)
 
     def stats(self) -> EngineStats:
-        blocks, spec, policy = self.block_manager, self.spec_stats, self.draft_lengths
+        blocks, spec = self.block_manager, self.spec_stats
+        # The cost table only where it is used: it travels with every step's reply over Ray.
+        policy = self.draft_lengths if self.draft_lengths is not None and self.draft_lengths.adaptive else None
         positions = range(max(spec.proposed_at, default=-1) + 1)
         return EngineStats(num_kv_blocks=blocks.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
                            num_running=len(self.scheduler.running), num_waiting=self.num_waiting,
@@ -251,7 +253,7 @@ class EngineCore:
                            accepted_at=tuple(spec.accepted_at.get(i, 0) for i in positions),
                            draft_share=spec.draft_share,
                            step_costs=tuple((r["step"], r["num_seqs"], r["length"], r["ms"])
-                                            for r in self.step_costs.rows()),
+                                            for r in self.step_costs.rows()) if policy else (),
                            acceptance_rates=tuple(policy.acceptance.rates) if policy else (),
                            draft_length=policy.last_choice if policy else None)
 
@@ -403,8 +405,8 @@ class EngineCore:
                            host_s: float) -> None:
         """A step of decodes and verifications only (no prompt chunk) updates the cost model: the
         target's step, and the rest of the step outside the target and the draft (host_s)."""
-        if self.draft_lengths is None or not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1
-                                                 for item in scheduled):
+        if self.draft_lengths is None or not self.draft_lengths.adaptive or not all(
+                item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1 for item in scheduled):
             return
         lengths = [len(p.token_ids) for p in plan]
         if min(lengths) == max(lengths):
@@ -508,7 +510,8 @@ class EngineCore:
         of at most k + 1 positions (the steady state), or only backlogs caught up, which stand for the
         steps that did not call the draft (per step: the time over the positions each caught up on).
         A catch-up over a prompt, or a backlog caught up as drafting resumes, is no step's usual cost."""
-        if not requests or not all(item.samples for item in live) or len({r.num_drafts for r in requests}) > 1:
+        if (not self.draft_lengths.adaptive or not requests or not all(item.samples for item in live)
+                or len({r.num_drafts for r in requests}) > 1):
             return
         num_drafts, positions = requests[0].num_drafts, [r.num_positions for r in requests]
         if num_drafts and max(positions) <= self.draft_lengths.max_drafts + 1:

@@ -21,8 +21,9 @@ class EngineStats:
     drafted_at: tuple[int, ...] = ()
     accepted_at: tuple[int, ...] = ()
     draft_share: float = 0.0  # of the engine's step time, the proposer's
-    # The step cost model (spec_decode/cost_model.py): (step, sequences, length, milliseconds) per entry,
-    # step "target" (length: tokens per sequence), "mixed" (the longest) or "draft" (drafts per request).
+    # Under speculative_policy adaptive, the step cost model (spec_decode/cost_model.py): (step,
+    # sequences, length, milliseconds) per entry, step "target" (length: tokens per sequence), "mixed"
+    # (the longest), "draft" (drafts per request) or "host" (the rest of a step).
     step_costs: tuple[tuple[str, int, int, float], ...] = ()
     # The engine-wide chance that draft j + 1 is accepted (spec_decode/draft_length.py), and the
     # draft length the last step chose for its batch (None: fixed, or not chosen by rate yet).

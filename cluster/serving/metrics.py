@@ -46,6 +46,11 @@ class ReplicaStats:
     draft_share: float  # of the engine's step time, the proposer's
     num_aborted: int  # requests whose client cancelled or disconnected mid-way
     is_healthy: bool
+    # Under speculative_policy adaptive (EngineStats): the step cost table, the engine's acceptance
+    # per draft position, and the draft length the last step chose.
+    step_costs: tuple[tuple[str, int, int, float], ...] = ()
+    acceptance_rates: tuple[float, ...] = ()
+    draft_length: int | None = None
 
     @classmethod
     def of(cls, engine: EngineStats, num_in_flight: int, num_aborted: int, is_healthy: bool) -> ReplicaStats:

@@ -21,6 +21,12 @@ def test_bench_dispatch_prints_every_mode(ray_cluster, tmp_path, capsys):
     assert all(r["slowest_compute_ms_p50"] > 0 and r["host_overhead_ms_p50"] > 0 for r in rows)
     assert rows[0]["steps"] == rows[1]["steps"] == 5  # 6 tokens: prefill + 5 decode steps, without a draft
     assert 1 <= rows[2]["steps"] <= 5  # with the draft, fewer target steps
+    # The EAGLE-3 replica chooses its draft length from its step costs, timed at start-up on its two
+    # workers for every batch size up to 64 and both lengths, and printed.
+    assert "The step cost model of bundled + EAGLE-3" in printed and not rows[0]["step_costs"]
+    timed = {(step, num_seqs, length) for step, num_seqs, length, ms in rows[2]["step_costs"] if ms > 0}
+    assert {("target", n, q) for n in (1, 2, 4, 8, 16, 32, 64) for q in (1, 4)} <= timed
+    assert {("draft", n, k) for n in (1, 2, 4, 8, 16, 32, 64) for k in (0, 3)} <= timed
     tiny = rows[0]
     # The replica sends its batch once and then only reads the core's stream: no message per step.
     assert tiny["replica_to_core_messages"] == 1 and tiny["stream_lag_ms_p50"] >= 0

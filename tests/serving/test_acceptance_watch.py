@@ -1,11 +1,14 @@
 """AcceptanceWatch (serving/metrics.py): the last minute's acceptance length from a replica's
-cumulative per-position counts, and when it counts as low."""
+cumulative per-position counts, and when it counts as low; and the replica snapshot it reads."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from warpspec.serving.metrics import AcceptanceWatch
+from warpspec.core.stats import EngineStats
+from warpspec.serving.metrics import AcceptanceWatch, ReplicaStats
 
 
 def test_the_window_counts_only_its_own_verifications():
@@ -37,3 +40,14 @@ def test_a_minimum_below_one_is_refused(value):
 
     with pytest.raises(ValueError, match="min_acceptance_length must be 0 .no warning. or >= 1"):
         ServeConfig(model="/models/m", min_acceptance_length=value)  # refused before the model is read
+
+
+def test_a_replica_snapshot_carries_every_engine_figure():
+    """ReplicaStats is EngineStats plus serving's own: a field the engine adds (the step cost table
+    of the adaptive draft length) reaches /admin/stats instead of failing every request's stats."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineStats)}
+    assert engine_fields <= {f.name for f in dataclasses.fields(ReplicaStats)}
+    engine = EngineStats(8, 6, 1, 0, 0.5, 2.5, step_costs=(("target", 1, 4, 2.5),), acceptance_rates=(0.8,),
+                         draft_length=3)
+    snapshot = ReplicaStats.of(engine, num_in_flight=1, num_aborted=0, is_healthy=True)
+    assert snapshot.step_costs == (("target", 1, 4, 2.5),) and snapshot.draft_length == 3
