@@ -107,7 +107,11 @@ class DraftGraphRunner:
         if batch_size is None:
             return None
         if kv_cache.data_ptr() != self.cache_address:  # the cache grew: every graph holds the old one
+            # And a new pool: the graphs just dropped were the old one's only users, and capturing into
+            # a pool they released fails the caching allocator's assert (use_count > 0; torch 2.11 on
+            # an H200), after which every proposal ran without graphs.
             self.graphs.clear()
+            self.pool = None
             self.cache_address = kv_cache.data_ptr()
         padded = pad_greedy_proposal(inputs, batch_size, pad_block, self.max_blocks, self.block_size)
         if batch_size not in self.graphs:

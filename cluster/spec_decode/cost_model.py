@@ -15,7 +15,8 @@ Four tables of seconds, each keyed by (number of sequences, length):
 At warm-up the engine times the shapes it will serve (EngineCore._time_steps); then every real step
 of a known shape moves its entry ALPHA of the way towards what it took, so the table follows the
 contexts that grow, the other processes on the machine and the clocks. A batch size with no entry
-reads between its two nearest neighbours (linearly), or past the largest along the last two's slope:
+reads between its two nearest neighbours (linearly), or past the largest rising along the slope from
+the entry at half its size or below (never falling):
 
     target {(8, 4): 10 ms, (16, 4): 18 ms} -> (12, 4): 14 ms, (32, 4): 34 ms
 """
@@ -29,17 +30,26 @@ ALPHA = 0.1  # a step's weight in its entry: the last ~10 steps of a shape domin
 MAX_STEP_RATIO = 2.0
 
 
-def _interpolate(points: dict[int, float], x: int) -> float | None:
-    """The value at x of the piecewise-linear curve through points {x: y}, extended beyond its ends
-    (flat below the smallest x, along the last slope above the largest); None without points."""
+def _interpolate(points: dict[int, float], x: int, extrapolate: bool = True) -> float | None:
+    """The value at x of the piecewise-linear curve through points {x: y}; flat below the smallest x;
+    above the largest, rising along the slope from the point at half its x or below (never falling:
+    a step of more sequences never costs less, and the slope between two neighbours is mostly noise);
+    None without points, or outside them when not extrapolate."""
     if not points:
         return None
     if x in points:
         return points[x]
     xs = sorted(points)
-    if x < xs[0] or len(xs) == 1:
-        return points[xs[0]] if x < xs[0] else points[xs[0]] * x / xs[0]
-    i = min(bisect.bisect(xs, x), len(xs) - 1)
+    if not extrapolate and not xs[0] < x < xs[-1]:
+        return None
+    if x < xs[0]:
+        return points[xs[0]]
+    if x > xs[-1]:
+        last = xs[-1]
+        base = max((p for p in xs if p <= last // 2), default=xs[0])
+        slope = (points[last] - points[base]) / (last - base) if last > base else points[last] / last
+        return points[last] + max(0.0, slope) * (x - last)
+    i = bisect.bisect(xs, x)
     x0, x1 = xs[i - 1], xs[i]
     return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
 
@@ -70,16 +80,18 @@ class StepCostModel:
         getattr(self, step)[num_seqs, length] = seconds
 
     def observe_target(self, num_seqs: int, query_len: int, seconds: float) -> None:
-        self._observe(self.target, num_seqs, query_len, seconds, self.target_time(num_seqs, query_len))
+        before = self._estimate(self.target, num_seqs, query_len, extrapolate=False)
+        self._observe(self.target, num_seqs, query_len, seconds, before)
 
     def observe_mixed(self, num_seqs: int, max_query_len: int, seconds: float) -> None:
         self._observe(self.mixed, num_seqs, max_query_len, seconds, self.mixed_time(num_seqs, max_query_len))
 
     def observe_draft(self, num_seqs: int, num_drafts: int, seconds: float) -> None:
-        self._observe(self.draft, num_seqs, num_drafts, seconds, self.draft_time(num_seqs, num_drafts))
+        before = self._estimate(self.draft, num_seqs, num_drafts, extrapolate=False)
+        self._observe(self.draft, num_seqs, num_drafts, seconds, before)
 
     def observe_host(self, num_seqs: int, seconds: float) -> None:
-        self._observe(self.host, num_seqs, 0, seconds, self.host_time(num_seqs))
+        self._observe(self.host, num_seqs, 0, seconds, self._estimate(self.host, num_seqs, 0, extrapolate=False))
 
     def rows(self) -> list[dict[str, float | int | str]]:
         """The table, one row per entry in milliseconds: stats(), /admin/stats, `warpspec bench dispatch`."""
@@ -89,16 +101,19 @@ class StepCostModel:
                 for (num_seqs, length), seconds in sorted(table.items())]
 
     @staticmethod
-    def _estimate(table: dict[tuple[int, int], float], num_seqs: int, length: int) -> float | None:
-        return _interpolate({n: s for (n, q), s in table.items() if q == length}, num_seqs)
+    def _estimate(table: dict[tuple[int, int], float], num_seqs: int, length: int,
+                  extrapolate: bool = True) -> float | None:
+        return _interpolate({n: s for (n, q), s in table.items() if q == length}, num_seqs, extrapolate)
 
     @staticmethod
     def _observe(table: dict[tuple[int, int], float], num_seqs: int, length: int, seconds: float,
                  before: float | None) -> None:
-        """before: the figure so far, read from the entry's neighbours when it is new. A step counts as
+        """before: the figure so far, read between the entry's neighbours when it is new (a new entry
+        past them starts from the step itself: a slope carried that far is a guess). A step counts as
         at most MAX_STEP_RATIO times it: one slow step (the draft's KV cache growing, a page fault)
         does not become the figure, while a machine that really slowed down moves it ~10% a step."""
-        if before is None:
+        seconds = max(seconds, 0.0)
+        if before is None or before <= 0:
             table[num_seqs, length] = seconds
         else:
             table[num_seqs, length] = before + ALPHA * (min(seconds, MAX_STEP_RATIO * before) - before)

@@ -37,3 +37,15 @@ def test_a_step_moves_its_figure_a_fraction_and_one_outlier_at_most_twice_that()
     assert costs.draft_time(8, 3) == pytest.approx(before + ALPHA * before)
     rows = costs.rows()
     assert rows == [{"step": "draft", "num_seqs": 8, "length": 3, "ms": round(costs.draft_time(8, 3) * 1e3, 4)}]
+
+
+def test_past_the_largest_size_a_figure_never_falls_whatever_its_neighbours_say():
+    """On the H200 two neighbouring batch sizes read 0.63 then 0.54 ms of host time: along their slope
+    the next sizes read negative, and steps starting from those figures drove them to -1e9."""
+    costs = StepCostModel()
+    for num_seqs, ms in ((1, 0.36), (8, 0.49), (15, 0.63), (16, 0.54)):
+        costs.observe_host(num_seqs, ms / 1e3)
+    # From batch 8 (at most half of 16): +0.05 / 8 ms a sequence, never the -0.09 of 15 -> 16.
+    assert costs.host_time(32) == pytest.approx((0.54 + 0.05 / 8 * 16) / 1e3)
+    costs.observe_host(64, -0.001)  # a step never takes negative time: read as 0
+    assert costs.host_time(64) == 0.0 and costs.host_time(100) >= 0.0

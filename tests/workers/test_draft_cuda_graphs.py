@@ -5,6 +5,8 @@ drafts against the proposal run without graphs."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from eagle3_checkpoints import make_speculation_draft, make_speculation_target
@@ -114,3 +116,28 @@ def test_replayed_drafts_equal_the_proposal_without_graphs(pair):
         want = [d.token_ids for d in plain.propose(requests, aux)]
         assert [d.token_ids for d in graphed.propose(requests, aux)] == want
     assert graphed.draft_graphs.num_replays == 3 and set(graphed.draft_graphs.graphs) <= {1, 2, 4}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphs_are_captured_anew_in_a_new_pool_when_the_drafts_kv_cache_grows(pair):
+    """Scratch blocks grow the draft's KV cache, and every graph holds the old cache: they are captured
+    again. Captured into the pool the dropped graphs released, the first one failed an allocator
+    assert on an H200 and the draft ran without graphs from then on, with a warning."""
+    shapes = CudaGraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, K + 1), max_model_len=64)
+    graphed, plain = _proposer(pair, "cuda", shapes), _proposer(pair, "cuda")
+    hidden = graphed.draft.config.target_hidden_size
+    aux = [a.cuda() for a in _aux(1, hidden)]
+    requests = _greedy_requests([9], [4])
+    assert [d.token_ids for d in graphed.propose(requests, aux)] == [d.token_ids for d in plain.propose(requests, aux)]
+    size = graphed.draft.kv_cache.shape[1]
+    # Blocks for positions 0 .. 11 (the catch-up runs 8 .. 11): the drafts run past them, into a
+    # scratch block beyond the cache.
+    short = [DraftRequest("s0", [5, 6, 7, 8], 8, 0, K, [7, 8, 9], 0.0, KeyedRandom(0))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [d.token_ids for d in graphed.propose(short, aux)]
+    assert not [w for w in caught if "CUDA graphs of the EAGLE-3 draft failed" in str(w.message)]
+    # A failed capture would have dropped the graph runner and proposed without it.
+    assert graphed.draft.kv_cache.shape[1] > size and graphed.draft_graphs is not None
+    assert got == [d.token_ids for d in plain.propose(short, aux)]
+    assert graphed.draft_graphs.num_replays == 2
