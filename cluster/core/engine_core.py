@@ -120,6 +120,10 @@ class EngineCore:
         self.spec_stats = SpeculationStats()
         self.step_costs = StepCostModel()
         self.draft_lengths = self._draft_length_policy()
+        # The adaptive draft length times each step; on a GPU only a synchronize makes that its work.
+        # Sampling waits for the logits right after anyway.
+        self.times_gpu_steps = (self.draft_lengths is not None and self.draft_lengths.adaptive
+                                and config.device.startswith("cuda"))
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -180,13 +184,15 @@ class EngineCore:
                 for _ in range(3):
                     start = time.perf_counter()
                     output = self.executor.execute(plan)
+                    if self.times_gpu_steps:
+                        torch.cuda.synchronize()
                     target.append(time.perf_counter() - start)
                     features = torch.cat(output.aux_hidden, dim=-1)
                     features = features[:1].expand(b * num_positions, -1).contiguous()
                     requests = [DraftRequest(ids[i], [0] * num_positions, 0, i * num_positions, num_drafts, table,
                                              0.0, KeyedRandom(0)) for i in range(b)]
                     start = time.perf_counter()
-                    self.proposer.propose(requests, [features])
+                    self.proposer.propose(requests, [features])  # its drafts come back as lists: waited for
                     draft.append((time.perf_counter() - start) / share)
                 self.step_costs.set("target", b, q, min(target))
                 self.step_costs.set("draft", b, num_drafts, min(draft))
@@ -321,6 +327,8 @@ class EngineCore:
         left, self.left_request_ids = self.left_request_ids, []
         execute_start = time.perf_counter()
         output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left))
+        if self.times_gpu_steps:  # the GPU's work is queued: wait for it, or the step reads as its launch
+            torch.cuda.synchronize()
         execute_s = time.perf_counter() - execute_start
         logits = output.logits
 
