@@ -163,8 +163,8 @@ class EngineCore:
 
     def _time_steps(self) -> str:
         """The step cost model's first figures: the target's step and the draft's proposals at every
-        length a step may choose, for each of TIMED_BATCH_SIZES up to max_num_seqs (larger batches
-        read along the last slope until real steps correct them). Best of 3 each. The stand-in
+        length a step may choose, for each of TIMED_BATCH_SIZES up to max_num_seqs (a larger batch
+        reads past them, never cheaper, until its real steps correct it). Best of 3 each. The stand-in
         sequences run in the first blocks, which no request holds yet; they leave the executor's batch
         with the next step."""
         sizes = [b for b in TIMED_BATCH_SIZES if b <= self.config.scheduler.max_num_seqs]

@@ -28,6 +28,19 @@ def test_unset_proto_fields_keep_engine_defaults_and_set_zero_is_kept():
     assert (params.temperature, params.top_p, params.stop, params.seed) == (0.0, 0.9, ["\n"], 7)
 
 
+def test_a_request_opts_out_of_speculation_over_grpc_and_http():
+    """speculation: unset lets the engine's draft length policy decide; false never drafts for it."""
+    _, params = request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams()), 64)
+    assert params.speculation is None
+    _, params = request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(speculation=False)), 64)
+    assert params.speculation is False
+    assert completion_request({"model": "m", "prompt": "a", "speculation": False}, 64).params.speculation is False
+    chat = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "speculation": True}, 64)
+    assert chat.params.speculation is True
+    with pytest.raises(InvalidRequestError, match="speculation must be true, false or null, got 'off'"):
+        completion_request({"model": "m", "prompt": "a", "speculation": "off"}, 64)
+
+
 def test_token_id_prompts_and_errors_name_the_field():
     prompt, _ = request_from_proto(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3])), 64)
     assert prompt == [1, 2, 3]
