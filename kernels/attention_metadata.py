@@ -12,9 +12,13 @@ import torch
 class PagedAttentionMetadata:
     def __init__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                  block_size: int, max_query_len: int, max_seq_len: int, num_tokens: int | None = None,
-                 is_uniform: bool = False):
+                 is_uniform: bool = False, kv_starts: torch.Tensor | None = None):
         """query_start_loc [num_seqs + 1]; seq_lens [num_seqs] (tokens in cache, this step's
-        included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]. num_tokens: the step's
+        included); block_tables [num_seqs, >= ceil(max_seq_len / block_size)]. kv_starts [num_seqs]:
+        the position each table's first block starts at, a multiple of block_size (None: 0). A
+        chunked layer's table of a hybrid KV cache holds only the blocks from its chunk's start
+        (workers/kv_groups.py): then max_seq_len is the longest span a table covers, not the longest
+        sequence, and attention reads no further back. num_tokens: the step's
         token count when the caller knows it (reading query_start_loc[-1] would wait for the GPU,
         which a CUDA graph capture forbids). is_uniform: every sequence has max_query_len new tokens,
         so the queries reshape into [num_seqs, max_query_len] with no gather or boolean mask (whose
@@ -28,6 +32,7 @@ class PagedAttentionMetadata:
         self.max_query_len = max_query_len
         self.max_seq_len = max_seq_len
         self.is_uniform = is_uniform or max_query_len == 1  # one query per sequence is uniform too
+        self.kv_starts = kv_starts
         self._padded: dict[str, torch.Tensor] | None = None
         self.masks: dict[int | None, torch.Tensor] = {}
 
@@ -45,6 +50,11 @@ class PagedAttentionMetadata:
                         - self.query_start_loc[:-1][self.token_seq])
         return (self.seq_lens - self.query_lens)[self.token_seq] + token_offset
 
+    @functools.cached_property
+    def table_starts(self) -> torch.Tensor:
+        """kv_starts, zeros when every table starts at position 0 (the Triton kernel reads one)."""
+        return self.kv_starts if self.kv_starts is not None else torch.zeros_like(self.seq_lens)
+
     def padded(self) -> dict[str, torch.Tensor]:
         """The reference's padded views, built on first use (the Triton kernel never needs them)."""
         if self._padded is None:
@@ -59,10 +69,14 @@ class PagedAttentionMetadata:
                     max=max(self.num_tokens - 1, 0)),
                 "q_positions": (self.seq_lens - self.query_lens)[:, None] + q_offsets[None, :],
                 "kv_positions": kv_positions,
-                # Each sequence's cache slots in position order, through its block table.
+                # Each sequence's cache slots in position order from its table's start, through the table.
                 "slots": (self.block_tables.long()[:, kv_positions // self.block_size] * self.block_size
                           + kv_positions % self.block_size),
             }
+            # [num_seqs or 1, max_seq_len]: the position each slot holds. Table from 32, block 16:
+            # slots hold 32, 33, ... (a chunk starting at 40 masks 32..39 of its first block).
+            self._padded["kv_abs_positions"] = (kv_positions[None, :] if self.kv_starts is None
+                                                else self.kv_starts[:, None] + kv_positions[None, :])
         return self._padded
 
     def mask(self, chunk_size: int | None) -> torch.Tensor:
@@ -70,7 +84,7 @@ class PagedAttentionMetadata:
         query's chunk (positions 0..c-1 form chunk 0, c..2c-1 chunk 1, ...)."""
         if chunk_size not in self.masks:
             padded = self.padded()
-            kv, q = padded["kv_positions"][None, None, :], padded["q_positions"][:, :, None]
+            kv, q = padded["kv_abs_positions"][:, None, :], padded["q_positions"][:, :, None]
             allowed = kv <= q
             if chunk_size is not None:
                 allowed &= (kv // chunk_size) == (q // chunk_size)

@@ -6,7 +6,8 @@ its share of the visible positions [start, pos] in tiles of TILE tokens with an 
 and V are read once per group. start = 0 for NoPE layers (full causal) and the first position of
 the query's chunk for chunked-local RoPE layers. Each token of a tile finds its cache slot through
 the block table, so a tile may span several KV blocks (tl.dot wants at least 16 rows on a GPU,
-whatever the block size).
+whatever the block size). A table may start past position 0 (a chunked layer's of a hybrid KV cache
+holds blocks from its chunk's start only): its first block holds position table_start.
 
 Decode at small batch has few (token, KV head) pairs, one KV head per rank on Maverick: a single
 program would walk the whole context alone. The context is then split over several programs (as in
@@ -31,9 +32,10 @@ MAX_SPLITS = 16
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, max_ptr, sum_ptr, acc_ptr, block_tables_ptr,
-                            token_seq_ptr, token_pos_ptr, scale, chunk_size, heads_per_kv, num_heads, num_kv_heads,
-                            block_table_stride, num_splits, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            GROUP: tl.constexpr, TILE: tl.constexpr, DOT_FP32: tl.constexpr):
+                            table_starts_ptr, token_seq_ptr, token_pos_ptr, scale, chunk_size, heads_per_kv,
+                            num_heads, num_kv_heads, block_table_stride, num_splits, BLOCK_SIZE: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, TILE: tl.constexpr,
+                            DOT_FP32: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -46,6 +48,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, max_ptr, sum_ptr, a
     q = tl.load(q_ptr + (token * num_heads + heads[:, None]) * HEAD_DIM + dims[None, :],
                 mask=is_head[:, None], other=0.0)  # [GROUP, HEAD_DIM]
     start = (pos // chunk_size) * chunk_size  # chunk_size 2^30 for full causal: start 0
+    table_start = tl.load(table_starts_ptr + seq).to(tl.int32)  # the position of the table's first block
     # This split's tiles among those covering [start, pos].
     first_tile = start // TILE
     num_tiles = pos // TILE - first_tile + 1
@@ -59,7 +62,8 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, max_ptr, sum_ptr, a
     for tile in range(tile_begin, tile_end):
         positions = tile * TILE + offsets
         is_visible = (positions >= start) & (positions <= pos)
-        blocks = tl.load(block_tables_ptr + seq * block_table_stride + positions // BLOCK_SIZE, mask=is_visible,
+        blocks = tl.load(block_tables_ptr + seq * block_table_stride + (positions - table_start) // BLOCK_SIZE,
+                         mask=is_visible,
                          other=0).to(tl.int64)
         slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
         kv_offsets = (slots[:, None] * num_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
@@ -137,7 +141,8 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # tl.dot wants at least 16 rows on a GPU; the padding rows are masked out.
     group = max(16, triton.next_power_of_2(heads_per_kv))
     _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
-        query, key_cache, value_cache, split_max, split_sum, split_acc, meta.block_tables, meta.token_seq,
+        query, key_cache, value_cache, split_max, split_sum, split_acc, meta.block_tables, meta.table_starts,
+        meta.token_seq,
         meta.token_pos, scale, chunk_size or 1 << 30, heads_per_kv, num_heads, num_kv_heads,
         meta.block_tables.stride(0), splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, TILE=TILE,
         DOT_FP32=query.dtype == torch.float32 or not query.is_cuda)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from window_tables import window_of
 
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention, write_kv_cache
 
@@ -76,3 +77,39 @@ def test_decode_batch_matches_dense():
         k = key_cache.view(-1, kv_heads, d)[slots]
         v = value_cache.view(-1, kv_heads, d)[slots]
         torch.testing.assert_close(out[i : i + 1], dense_reference(q[i : i + 1], k, v, n - 1, 4), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 6, 16])
+def test_a_chunked_layer_reads_only_its_window(chunk_size):
+    """A hybrid KV cache's chunked table starts at the block of the chunk start (mid-block when the
+    block size does not divide the chunk, 6 against 4) and gives what the whole table gives; the
+    blocks before it are zeroed in the cache, so a read of them would change the output."""
+    gen = torch.Generator().manual_seed(chunk_size)
+    block_size, num_blocks, heads, kv_heads, d = 4, 64, 4, 2, 8
+    kv_cache = torch.zeros(2, num_blocks, block_size, kv_heads, d)
+    # (cached, new): a prefill over several chunks, decodes past a chunk edge and mid-chunk, and a
+    # 4-token verification crossing a chunk edge.
+    shapes = [(0, 21), (17, 1), (26, 1), (10, 4)]
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, queries = [], []
+    for num_cached, q_len in shapes:
+        seq_len = num_cached + q_len
+        tables.append([free.pop() for _ in range(-(-seq_len // block_size))])
+        slots = torch.tensor([tables[-1][p // block_size] * block_size + p % block_size for p in range(seq_len)])
+        k, v = torch.randn(2, seq_len, kv_heads, d, generator=gen)
+        write_kv_cache(k, v, kv_cache, slots)
+        queries.append(torch.randn(q_len, heads, d, generator=gen))
+    block_tables = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables], dtype=torch.int32)
+    query_lens = torch.tensor([n for _, n in shapes])
+    seq_lens = torch.tensor([c + n for c, n in shapes])
+    meta = PagedAttentionMetadata(torch.cat([torch.zeros(1, dtype=torch.long), query_lens.cumsum(0)]), seq_lens,
+                                  block_tables, block_size, int(query_lens.max()), int(seq_lens.max()))
+    q = torch.cat(queries)
+    expected = paged_attention(q, kv_cache[0], kv_cache[1], meta, 1 / math.sqrt(d), chunk_size)
+    window = window_of(meta, chunk_size)
+    for row, table in enumerate(tables):  # blocks wholly before each window hold garbage now
+        for block in table[: int(window.kv_starts[row]) // block_size]:
+            kv_cache[:, block] = 1e4
+    out = paged_attention(q, kv_cache[0], kv_cache[1], window, 1 / math.sqrt(d), chunk_size)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert window.max_seq_len < meta.max_seq_len

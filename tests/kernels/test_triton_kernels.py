@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from window_tables import window_of  # noqa: E402
+
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference, write_kv_cache  # noqa: E402
 from warpspec.kernels.fp8 import quantize_fp8_columns  # noqa: E402
 from warpspec.kernels.moe import moe_experts_reference, route_topk_sigmoid_reference  # noqa: E402
@@ -304,3 +306,17 @@ def test_forced_dispatch_runs_triton_on_cpu(monkeypatch):
     monkeypatch.setenv("WARPSPEC_KERNELS", "fast")
     with pytest.raises(ValueError, match="WARPSPEC_KERNELS='fast' is not one of auto, reference, triton"):
         dispatch.use_triton(x)
+
+
+@pytest.mark.parametrize("chunk_size", [8, 12])
+def test_paged_attention_over_a_window_table(chunk_size):
+    """A hybrid KV cache's chunked table, starting at the chunk's first block (12: mid-block), reads
+    as the reference over the same window, split or not."""
+    gen = torch.Generator().manual_seed(chunk_size)
+    query, key_cache, value_cache, meta = paged_batch(gen, [(0, 19), (9, 1), (13, 4), (30, 1)], 5, 1, 16, 4,
+                                                      torch.float32)
+    window = window_of(meta, chunk_size, scramble=False)
+    expected = paged_attention_reference(query, key_cache, value_cache, meta, 0.25, chunk_size)
+    for num_splits in (1, 2):
+        out = paged_attention_triton(query, key_cache, value_cache, window, 0.25, chunk_size, num_splits=num_splits)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
