@@ -36,6 +36,17 @@ class PagedAttentionMetadata:
         self._padded: dict[str, torch.Tensor] | None = None
         self.masks: dict[int | None, torch.Tensor] = {}
 
+    def over_tables(self, block_tables: torch.Tensor, max_seq_len: int, kv_starts: torch.Tensor | None,
+                    like: PagedAttentionMetadata | None = None) -> PagedAttentionMetadata:
+        """The same queries over other block tables (a hybrid KV cache's chunked group's: its window
+        tables from kv_starts). like: metadata of another group over the same positions, whose masks
+        this one shares (they depend on positions, not on block ids)."""
+        other = PagedAttentionMetadata(self.query_start_loc, self.seq_lens, block_tables, self.block_size,
+                                       self.max_query_len, max_seq_len, self.num_tokens, self.is_uniform, kv_starts)
+        if like is not None:
+            other.masks = like.masks
+        return other
+
     # What the Triton kernel needs instead of the padded views, built on first use (the reference
     # never needs them): each token's sequence and position.
     # query_lens [2, 1], seq_lens [7, 4] -> token_seq [0, 0, 1], token_pos [5, 6, 3].

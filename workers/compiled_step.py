@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from warpspec.kernels import PagedAttentionMetadata
 from warpspec.workers.cpu_threads import torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig, uniform_query_len
+from warpspec.workers.kv_groups import KVGroupLayout
 from warpspec.workers.step import SequenceStep, StepInput
 from warpspec.workers.step_artifacts import StepArtifacts, module_identity
 from warpspec.workers.torch_internals import (
@@ -230,17 +231,21 @@ def widen_block_tables(block_tables: torch.Tensor) -> torch.Tensor:
     """At least MIN_BLOCKS columns; the extra one is never read, as seq_lens end before it. Always a
     new tensor: one made here (under inference mode) and one passed through would carry different
     dispatch keys, and the compiled step would recompile on the difference."""
-    return F.pad(block_tables, (0, max(0, MIN_BLOCKS - block_tables.shape[1])))
+    return F.pad(block_tables, (0, max(0, MIN_BLOCKS - block_tables.shape[-1])))
 
 
 def mark_step_dynamic(per_batch: tuple[torch.Tensor, ...], block_tables: torch.Tensor, num_seqs: int) -> None:
     """Keep a step's varying sizes symbolic: each first size of per_batch ([num_tokens, ...],
     [num_seqs + 1], [num_seqs, ...]) grows with the batch, except for one sequence, whose sizes stay
-    fixed; the block count grows with the context."""
+    fixed; the block count grows with the context, and so does a hybrid KV cache's window tables'
+    ([num_seqs, groups, blocks], the only 3-d one)."""
     if num_seqs > 1:
         for tensor in per_batch:
             mark_dynamic(tensor, 0)
     mark_dynamic(block_tables, 1)
+    for tensor in per_batch:
+        if tensor.dim() == 3:
+            mark_dynamic(tensor, 2)
 
 
 def step_marker(block_tables_at: int) -> Callable[[tuple], None]:
@@ -258,10 +263,11 @@ class CompiledStepRunner:
     config: the query lengths and the longest context of the CUDA graphs; its batch sizes only choose
     the batch whose eager time picks a graph's thread count (thread_sample)."""
 
-    def __init__(self, model, config: CudaGraphConfig, block_size: int):
+    def __init__(self, model, config: CudaGraphConfig, block_size: int, kv_layout: KVGroupLayout | None = None):
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.kv_layout = kv_layout
         self.max_blocks = -(-config.max_model_len // block_size)
         # A rank's graphs are its own: ranks of one shape share a folder on one host.
         comm = getattr(model, "comm", None)
@@ -290,8 +296,9 @@ class CompiledStepRunner:
         if not self.runs_compiled(step):
             return None
         block_tables = widen_block_tables(step.block_tables)
+        window_tables = None if step.window_tables is None else widen_block_tables(step.window_tables)
         inputs = (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
-                  step.slot_mapping)
+                  step.slot_mapping, step.window_starts, window_tables, step.window_slot_mapping)
         with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
             return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids), graph=self._saved_as(step))
 
@@ -302,8 +309,9 @@ class CompiledStepRunner:
     def _saved_as(self, step: StepInput) -> tuple:
         """step's graph as its saved file names it: the aux layers too, since a target serving a draft
         returns their hidden states and builds another graph (one key for both made each start
-        replace the other's file)."""
-        return *self._graph_of(step), tuple(step.aux_layer_ids)
+        replace the other's file); a hybrid KV cache's window tables too, for the same reason."""
+        hybrid = ("hybrid",) if step.window_tables is not None else ()
+        return *self._graph_of(step), tuple(step.aux_layer_ids), *hybrid
 
     def saved_thread_count(self, step: StepInput) -> int | None:
         return self.compiled.saved_thread_count(self._saved_as(step))
@@ -332,15 +340,19 @@ class CompiledStepRunner:
 
     def _warm_up_step(self, query_len: int, num_seqs: int, aux_layer_ids: list[int]) -> StepInput:
         table = list(range(-(-query_len // self.block_size)))
-        seqs = [SequenceStep([0] * query_len, 0, table, 0) for _ in range(num_seqs)]
-        return StepInput.build(seqs, self.block_size, aux_layer_ids)
+        layout = self.kv_layout
+        windows = [table] * layout.num_window_groups if layout is not None else []
+        seqs = [SequenceStep([0] * query_len, 0, table, 0, window_tables=windows) for _ in range(num_seqs)]
+        return StepInput.build(seqs, self.block_size, aux_layer_ids, layout.chunk_size if layout else None)
 
     def _forward(self, input_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
-                 query_len: int, aux_layer_ids: tuple[int, ...]):
+                 window_starts, window_tables, window_slot_mapping, query_len: int, aux_layer_ids: tuple[int, ...]):
         num_tokens = input_ids.shape[0]
         step = StepInput(input_ids, positions, query_start_loc, seq_lens, block_tables, slot_mapping,
                          logits_indices=torch.arange(num_tokens), max_query_len=query_len,
-                         max_seq_len=block_tables.shape[1] * self.block_size, aux_layer_ids=list(aux_layer_ids))
+                         max_seq_len=block_tables.shape[1] * self.block_size, aux_layer_ids=list(aux_layer_ids),
+                         window_starts=window_starts, window_tables=window_tables,
+                         window_slot_mapping=window_slot_mapping)
         attn_meta = PagedAttentionMetadata(query_start_loc, seq_lens, block_tables, self.block_size, query_len,
                                            step.max_seq_len, num_tokens=num_tokens, is_uniform=True)
         hidden, aux = self.model(input_ids, positions, step, aux_layer_ids, attn_meta=attn_meta)

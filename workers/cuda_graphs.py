@@ -6,7 +6,8 @@ them all at once. A graph fixes every shape, so a step is run through one only w
 every sequence has the same number of new tokens (1 for decode, k+1 for verification) and logits
 are wanted for all of them. The batch is padded up to the next captured size with padding
 sequences whose tokens write into a spare KV block that no sequence owns; their outputs are
-dropped. Steps outside the captured sizes (prefill chunks, mixed steps, large batches) run eagerly.
+dropped. Steps outside the captured sizes (prefill chunks, mixed steps, large batches) run eagerly, as do
+the steps of a hybrid KV cache (workers/kv_groups.py) for now: their window tables are not captured.
 
 Graphs are captured lazily, the first time a (batch size, query length, captured layers) shape is
 seen, and all share one memory pool.
@@ -128,6 +129,8 @@ class CudaGraphRunner:
     def graph_batch_size(self, step: StepInput) -> int | None:
         q = uniform_query_len(step)
         if q is None or q not in self.config.query_lens or q > self.block_size:
+            return None
+        if step.window_tables is not None:  # a hybrid KV cache's steps are not captured yet: eager
             return None
         if step.block_tables.shape[1] > self.max_blocks:
             return None

@@ -1,5 +1,6 @@
-"""Paged KV cache: per layer one tensor [2, num_blocks, block_size, num_kv_heads, head_dim], keys
-then values. Which blocks a sequence owns is the engine's bookkeeping (its block table)."""
+"""Paged KV cache: tensors [2, num_blocks, block_size, num_kv_heads, head_dim], keys then values, one
+per layer, or with a hybrid cache one per layer of a KV group (kv_groups.py). Which blocks a sequence
+owns is the engine's bookkeeping (its block tables)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from warpspec.workers.kv_groups import kv_bytes_per_token_layer, kv_group_layout
 from warpspec.workers.model_config import ModelConfig
 
 
@@ -16,6 +18,8 @@ class CacheConfig:
     # None sizes the cache from memory_gib; an explicit count is for tests and tight budgets.
     num_blocks: int | None = None
     memory_gib: float = 1.0
+    # Chunked-attention layers keep only their chunk's KV (kv_groups.py), for checkpoints that have them.
+    hybrid: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -26,8 +30,8 @@ class CacheConfig:
             raise ValueError(f"memory_gib must be positive, got {self.memory_gib}")
 
     def bytes_per_block(self, config: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
-        per_token = 2 * num_kv_heads * config.head_dim * dtype.itemsize
-        return config.num_hidden_layers * self.block_size * per_token
+        num_tensors = kv_group_layout(config, self.hybrid).num_tensors
+        return num_tensors * self.block_size * kv_bytes_per_token_layer(config, dtype.itemsize, num_kv_heads)
 
     def resolve_num_blocks(self, config: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
         """memory_gib is per rank; num_kv_heads is the rank's share."""
@@ -37,6 +41,8 @@ class CacheConfig:
 
 
 def allocate_kv_cache(config: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
-                      dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+                      dtype: torch.dtype, device: torch.device | str,
+                      num_tensors: int | None = None) -> list[torch.Tensor]:
+    """num_tensors: the layout's (kv_groups.py); one per layer by default."""
     shape = (2, num_blocks, block_size, num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_tensors or config.num_hidden_layers)]

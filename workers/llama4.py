@@ -23,6 +23,7 @@ from warpspec.kernels import (
     write_kv_cache,
 )
 from warpspec.workers.comm import Communicator
+from warpspec.workers.kv_groups import KVGroupLayout
 from warpspec.workers.layers import (
     CheckpointTensor,
     ColumnParallelLinear,
@@ -79,14 +80,19 @@ class Llama4Attention(nn.Module):
         self.floor_scale = config.floor_scale
         self.attn_scale = config.attn_scale
         self.eps = config.rms_norm_eps
-        # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner.
+        # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner, and the KV group
+        # whose block tables index it (workers/kv_groups.py; 0 unless the cache is hybrid).
         self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, step: StepInput,
-                freqs_cis: torch.Tensor, attn_meta: PagedAttentionMetadata) -> torch.Tensor:
+                freqs_cis: torch.Tensor, attn_metas: list[PagedAttentionMetadata]) -> torch.Tensor:
+        """attn_metas: the step's attention metadata per KV group."""
         q, k, v = self.project_qkv(positions, hidden, freqs_cis)
-        write_kv_cache(k, v, self.kv_cache, step.slot_mapping)
-        out = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_meta, self.scale, self.chunk_size)
+        slots = step.slot_mapping if self.kv_group == 0 else step.window_slot_mapping[:, self.kv_group - 1]
+        write_kv_cache(k, v, self.kv_cache, slots)
+        out = paged_attention(q, self.kv_cache[0], self.kv_cache[1], attn_metas[self.kv_group], self.scale,
+                              self.chunk_size)
         return self.o_proj(out.reshape(hidden.shape[0], -1))
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor,
@@ -237,10 +243,10 @@ class Llama4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
 
     def forward(self, positions: torch.Tensor, normed: torch.Tensor, residual: torch.Tensor, step: StepInput,
-                freqs_cis: torch.Tensor, attn_meta: PagedAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                freqs_cis: torch.Tensor, attn_metas: list[PagedAttentionMetadata]) -> tuple[torch.Tensor, torch.Tensor]:
         """normed: input_layernorm's output (the model applies it, fused with the previous layer's
         reduction); returns the feed-forward's partial output and the residual stream after attention."""
-        hidden = self.self_attn(positions, normed, step, freqs_cis, attn_meta)
+        hidden = self.self_attn(positions, normed, step, freqs_cis, attn_metas)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.feed_forward(hidden), residual
 
@@ -278,10 +284,16 @@ class Llama4ForCausalLM(nn.Module):
         final norm). attn_meta: the step's attention metadata when the caller built it (a compiled step
         declares its queries uniform)."""
         freqs_cis = rope_freqs_cis(positions, self.inv_freq)
+        block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
         if attn_meta is None:
-            block_size = self.model.layers[0].self_attn.kv_cache.shape[2]
             attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
                                                step.max_query_len, step.max_seq_len, num_tokens=input_ids.shape[0])
+        attn_metas = [attn_meta]
+        if step.window_tables is not None:  # a hybrid KV cache: each chunked group over its window tables
+            window_len = step.window_tables.shape[2] * block_size
+            for group in range(step.window_tables.shape[1]):
+                attn_metas.append(attn_meta.over_tables(step.window_tables[:, group], window_len, step.window_starts,
+                                                        like=attn_metas[1] if group else None))
         # The embedding is a partial sum over vocabulary shards; layer 0's input norm reduces it.
         hidden, residual = self.model.embed_tokens(input_ids), None
         captured: dict[int, torch.Tensor] = {}
@@ -291,7 +303,7 @@ class Llama4ForCausalLM(nn.Module):
             normed, residual = layer.input_layernorm(hidden, residual)
             if layer_id in aux_layer_ids:
                 captured[layer_id] = residual
-            hidden, residual = layer(positions, normed, residual, step, freqs_cis, attn_meta)
+            hidden, residual = layer(positions, normed, residual, step, freqs_cis, attn_metas)
         hidden, residual = self.model.norm(hidden, residual)
         captured[len(self.model.layers)] = residual
         return hidden, [captured[i] for i in aux_layer_ids]
@@ -317,9 +329,11 @@ class Llama4ForCausalLM(nn.Module):
         gathered = self.comm.gather(local, dim=-1)
         return None if gathered is None else head.trim_logits(gathered)
 
-    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            layer.self_attn.kv_cache = kv_cache
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor], layout: KVGroupLayout | None = None) -> None:
+        """kv_caches: one tensor per layer, or the layout's tensors, shared by its groups."""
+        for layer_id, layer in enumerate(self.model.layers):
+            group, tensor = layout.placement(layer_id) if layout is not None else (0, layer_id)
+            layer.self_attn.kv_cache, layer.self_attn.kv_group = kv_caches[tensor], group
 
 
 def checkpoint_names(param_name: str) -> list[tuple[str, object]]:

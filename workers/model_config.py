@@ -85,6 +85,13 @@ class ModelConfig:
                 f"no_rope_layers has {len(self.no_rope_layers)} entries, fewer than "
                 f"num_hidden_layers ({self.num_hidden_layers})"
             )
+        chunk = self.attention_chunk_size
+        chunked = [i for i in range(self.num_hidden_layers) if self.uses_rope(i)]
+        if chunked and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            # transformers reads a missing key as 8192 (from_dict does too); null or 0 is no chunk at all.
+            raise CheckpointError(f"config.json: attention_chunk_size must be a positive integer when layers "
+                                  f"use chunked attention (no_rope_layers marks layers {chunked[:8]}"
+                                  f"{' ...' if len(chunked) > 8 else ''}), got {chunk!r}")
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise CheckpointError(f"moe_layers {bad} outside 0..{self.num_hidden_layers - 1}")

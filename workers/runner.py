@@ -18,6 +18,7 @@ from warpspec.workers.compiled_step import CompiledStepRunner
 from warpspec.workers.cpu_threads import fastest_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
+from warpspec.workers.kv_groups import kv_group_layout
 from warpspec.workers.loader import load_model
 from warpspec.workers.step import StepInput
 
@@ -56,6 +57,7 @@ class ModelRunner:
         # heads), so every rank computes the same block count from the same per-rank budget.
         self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         self.num_blocks = self.cache_config.resolve_num_blocks(self.config, self.num_kv_heads, self.dtype)
+        self.kv_layout = kv_group_layout(self.config, self.cache_config.hybrid)
         # The references read values back to the host (a capture forbids it): graphs need Triton.
         use_graphs = (cuda_graphs is not None and self.device.type == "cuda" and kernel_mode() != "reference"
                       and triton_available())
@@ -69,8 +71,9 @@ class ModelRunner:
                         and (self.model.comm.world_size == 1 or self.model.comm.has_traced_collectives))
         # Graphs pad batches with sequences that write into one spare block past the engine's blocks.
         self.kv_caches = allocate_kv_cache(self.config, self.num_kv_heads, self.num_blocks + int(use_graphs),
-                                           self.cache_config.block_size, self.dtype, self.device)
-        self.model.bind_kv_cache(self.kv_caches)
+                                           self.cache_config.block_size, self.dtype, self.device,
+                                           self.kv_layout.num_tensors)
+        self.model.bind_kv_cache(self.kv_caches, self.kv_layout)
         block_size = self.cache_config.block_size
         self.graph_runner = None
         if use_graphs:
@@ -79,7 +82,7 @@ class ModelRunner:
                                                     max_blocks=-(-cuda_graphs.max_model_len // block_size),
                                                     block_size=block_size, device=self.device)
         elif use_compiled:
-            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size)
+            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size, self.kv_layout)
         # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
         self.compiled_ranks_meet = use_compiled and self.model.comm.world_size > 1
 

@@ -35,6 +35,9 @@ class SequenceStep:
     block_table: list[int]  # KV blocks covering at least num_cached + len(token_ids) tokens
     logits_from: int  # return logits for new tokens [logits_from, len(token_ids))
     request_id: str = ""  # names the sequence across steps (persistent_batch.py)
+    # A hybrid KV cache's chunked groups' tables (kv_groups.py), position-indexed like block_table;
+    # entries before the current chunk's block are stale (freed) and never read.
+    window_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,9 +49,10 @@ class StepPlan:
     block_size: int
     aux_layer_ids: list[int] = field(default_factory=list)
     left_request_ids: list[str] = field(default_factory=list)
+    chunk_size: int | None = None  # the chunked KV groups' chunk, when the cache is hybrid
 
     def build(self) -> StepInput:
-        return StepInput.build(self.seqs, self.block_size, self.aux_layer_ids)
+        return StepInput.build(self.seqs, self.block_size, self.aux_layer_ids, self.chunk_size)
 
 
 def padded_block_tables(tables: list[list[int]], num_blocks: int) -> torch.Tensor:
@@ -56,6 +60,26 @@ def padded_block_tables(tables: list[list[int]], num_blocks: int) -> torch.Tenso
     # One tensor from padded lists: a tensor per row costs a few microseconds each, every step.
     flat = [block for table in tables for block in table[:num_blocks] + [0] * (num_blocks - len(table))]
     return int_tensor(flat, torch.int32).view(len(tables), num_blocks)
+
+
+def window_inputs(seqs: list[SequenceStep], block_size: int, chunk_size: int) -> dict[str, torch.Tensor]:
+    """StepInput's window fields: each chunked group's table from the block holding the chunk start
+    of the sequence's first new position, and the slots of its new tokens in each group.
+
+    Chunk 32, block 16, 40 cached + 4 new: the chunk starts at 32, so each window table is the
+    group's blocks 2 and 3 (positions 32..63), window_starts 32."""
+    starts, rows, slots = [], [], []
+    for seq in seqs:
+        first = seq.num_cached // chunk_size * chunk_size // block_size
+        end = -(-(seq.num_cached + len(seq.token_ids)) // block_size)
+        starts.append(first * block_size)
+        rows.append([table[first:end] for table in seq.window_tables])
+        for p in range(seq.num_cached, seq.num_cached + len(seq.token_ids)):
+            slots.extend(table[p // block_size] * block_size + p % block_size for table in seq.window_tables)
+    num_groups, width = len(rows[0]), max(len(row[0]) for row in rows)
+    tables = padded_block_tables([table for row in rows for table in row], width)
+    return {"window_starts": int_tensor(starts), "window_tables": tables.view(len(seqs), num_groups, width),
+            "window_slot_mapping": int_tensor(slots).view(-1, num_groups)}
 
 
 @dataclass
@@ -71,13 +95,19 @@ class StepInput:
     max_seq_len: int
     # Target layers whose entering hidden states the step must return (EAGLE-3's features).
     aux_layer_ids: list[int] = field(default_factory=list)
+    # A hybrid KV cache's chunked groups (kv_groups.py), None otherwise: each sequence's tables from
+    # the block holding its first new token's chunk start, which is position window_starts[s].
+    window_starts: torch.Tensor | None = None  # [num_seqs] int64, multiples of the block size
+    window_tables: torch.Tensor | None = None  # [num_seqs, num_window_groups, max_window_blocks] int32
+    window_slot_mapping: torch.Tensor | None = None  # [num_tokens, num_window_groups] int64
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     @classmethod
-    def build(cls, seqs: list[SequenceStep], block_size: int, aux_layer_ids: list[int] | None = None) -> StepInput:
+    def build(cls, seqs: list[SequenceStep], block_size: int, aux_layer_ids: list[int] | None = None,
+              chunk_size: int | None = None) -> StepInput:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -96,6 +126,7 @@ class StepInput:
             seq_lens.append(seq.num_cached + len(seq.token_ids))
         max_seq_len = max(seq_lens)
         block_tables = padded_block_tables([seq.block_table for seq in seqs], -(-max_seq_len // block_size))
+        windows = window_inputs(seqs, block_size, chunk_size) if chunk_size and seqs[0].window_tables else {}
         return cls(
             input_ids=int_tensor(input_ids),
             positions=int_tensor(positions),
@@ -107,6 +138,7 @@ class StepInput:
             max_query_len=max(len(s.token_ids) for s in seqs),
             max_seq_len=max_seq_len,
             aux_layer_ids=list(aux_layer_ids or []),
+            **windows,
         )
 
     def to(self, device: torch.device | str) -> StepInput:

@@ -88,6 +88,7 @@ BENCHMARKS["routing"] = "warpspec.benchmarks.routing"
 BENCHMARKS["compile"] = "warpspec.benchmarks.compile_time"
 BENCHMARKS["collectives"] = "warpspec.benchmarks.collectives"
 BENCHMARKS["structured_output"] = "warpspec.benchmarks.structured_output"
+BENCHMARKS["kv_cache"] = "warpspec.benchmarks.kv_cache"
 
 
 def _bench(args: argparse.Namespace) -> None:

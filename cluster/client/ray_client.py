@@ -27,6 +27,7 @@ from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
+from warpspec.workers.kv_groups import kv_group_layout
 
 
 class RayCoreClient:
@@ -39,7 +40,9 @@ class RayCoreClient:
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.coordinator.num_blocks, config.cache.block_size,
                                           config.seed, self.model_config.eos_token_ids,
-                                          has_draft=config.speculative.enabled)
+                                          has_draft=config.speculative.enabled,
+                                          kv_layout=kv_group_layout(self.model_config, config.cache.hybrid),
+                                          max_step_tokens=config.scheduler.max_num_batched_tokens)
         self.requests: set[str] = set()  # added and not yet finished or aborted
         self.pending_adds: list[NewRequest] = []  # not yet sent to the core
         self.pending_aborts: list[str] = []

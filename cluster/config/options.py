@@ -69,6 +69,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("num_kv_blocks", "cache.num_blocks", int, None,
                  "KV blocks per worker (default: as many as kv_cache_memory_gib holds)"),
     EngineOption("kv_cache_memory_gib", "cache.memory_gib", float, CacheConfig.memory_gib, "KV cache per worker, GiB"),
+    EngineOption("hybrid_kv_cache", "cache.hybrid", bool, CacheConfig.hybrid,
+                 "chunked-attention layers (Llama 4's RoPE layers) keep only their chunk's KV"),
     # Scheduler.
     EngineOption("max_num_seqs", "scheduler.max_num_seqs", int, SchedulerConfig.max_num_seqs,
                  "sequences running together"),

@@ -8,6 +8,15 @@ least recently freed first.
 With an EAGLE-3 draft the block also holds the draft's KV, whose entry at the block's last position
 pairs it with the token after the block (spec_decode/eagle3.py). Such a block is cached under its hash
 and that next token (key_by_next_token), so it serves only requests that continue it the same way.
+
+A hybrid KV cache (workers/kv_groups.py) gives each sequence one table per KV group over the one
+pool: `block_tables` for the full-attention group (the draft's KV follows it) and `window_tables`
+for the chunked groups. A chunked group's table stays indexed by position, but the blocks wholly
+before the current chunk are given back (release_passed_chunks): their entries go stale, are never
+read, and are counted in `num_released`. Chunk 8, block 4, 21 tokens computed: blocks 0-3 (positions
+0..15) are given back, blocks 4-5 (16..23) held. Each group caches its own blocks under the same
+keys; a prefix is a hit when the full group holds all of it and every chunked group holds the
+blocks from its last chunk's start (match_prefix).
 """
 
 from __future__ import annotations
@@ -48,17 +57,23 @@ class PrefixCacheStats:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 key_by_next_token: bool = False):
+                 key_by_next_token: bool = False, num_window_groups: int = 0, chunk_size: int | None = None):
+        """num_window_groups, chunk_size: a hybrid KV cache's chunked groups and their chunk."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.key_by_next_token = key_by_next_token
+        self.num_window_groups = num_window_groups
+        self.chunk_size = chunk_size
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}  # cache key (content hash, see _cache_key) -> block id
+        self.block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks  # (group, cache key)
+        self.cached: dict[tuple[int, bytes], int] = {}  # (group, cache key (see _cache_key)) -> block id
         # Blocks held by nobody, least recently freed first; cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int]] = {}  # the full-attention group's
+        self.window_tables: dict[str, list[list[int]]] = {}  # each chunked group's, by position
+        self.num_released: dict[str, int] = {}  # leading window-table entries given back
+        self.num_released_blocks = 0  # chunked groups' blocks given back as sequences crossed chunks
         # Content hashes of each sequence's leading full blocks, whether or not its block is the cached copy.
         self.seq_hashes: dict[str, list[bytes]] = {}
         self.stats = PrefixCacheStats()
@@ -70,47 +85,98 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def num_groups(self) -> int:
+        return 1 + self.num_window_groups
+
+    def window_start_block(self, position: int) -> int:
+        """The block holding the start of position's chunk: a chunked group's first live entry."""
+        return position // self.chunk_size * self.chunk_size // self.block_size if self.chunk_size else 0
+
     def match_prefix(self, seq_id: str, token_ids: list[int]) -> int:
         """Give a new sequence the cached blocks its tokens start with; returns how many tokens they
         cover. The last token is always left to compute: its logits are needed."""
         assert seq_id not in self.block_tables, f"{seq_id} already holds blocks"
-        table: list[int] = []
-        self.block_tables[seq_id] = table
+        self.block_tables[seq_id] = []
+        self.window_tables[seq_id] = [[] for _ in range(self.num_window_groups)]
+        self.num_released[seq_id] = 0
         self.seq_hashes[seq_id] = []
         if not self.enable_prefix_caching:
             return 0
-        for i, block_hash in enumerate(prefix_block_hashes(token_ids[: len(token_ids) - 1], self.block_size)):
-            block = self.cached.get(self._cache_key(block_hash, token_ids, i))
-            if block is None:
+        hashes, keys = prefix_block_hashes(token_ids[: len(token_ids) - 1], self.block_size), []
+        for i, block_hash in enumerate(hashes):
+            key = self._cache_key(block_hash, token_ids, i)
+            if key is None or (0, key) not in self.cached:
                 break
-            self._take(block)
-            table.append(block)
-            self.seq_hashes[seq_id].append(block_hash)
-        return len(table) * self.block_size
+            keys.append(key)
+        # The chunked groups need the blocks from the last chunk's start of the prefix they resume
+        # after; fewer full blocks may be a hit where they are not cached.
+        num_hit = len(keys)
+        while num_hit and not all((group, keys[i]) in self.cached for group in range(1, self.num_groups)
+                                  for i in range(self.window_start_block(num_hit * self.block_size), num_hit)):
+            num_hit -= 1
+        first = self.window_start_block(num_hit * self.block_size)
+        for i in range(num_hit):
+            self.block_tables[seq_id].append(self._take((0, keys[i])))
+            for group, table in enumerate(self.window_tables[seq_id], start=1):
+                table.append(self._take((group, keys[i])) if i >= first else 0)  # 0: stale, never read
+        self.num_released[seq_id] = first
+        self.seq_hashes[seq_id] = hashes[:num_hit]
+        return num_hit * self.block_size
+
+    def num_blocks_to_grow(self, seq_id: str, num_tokens: int) -> int:
+        """Free blocks seq_id takes to cover num_tokens tokens, in all groups."""
+        held = len(self.block_tables.get(seq_id, ()))
+        return max(0, self.blocks_needed(num_tokens) - held) * self.num_groups
 
     def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
-        held = len(self.block_tables.get(seq_id, ()))
-        return self.blocks_needed(num_tokens) - held <= self.num_free_blocks
+        return self.num_blocks_to_grow(seq_id, num_tokens) <= self.num_free_blocks
 
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
-        """Grow seq_id's block table to cover num_tokens tokens; returns the table."""
+        """Grow seq_id's block tables (every group's) to cover num_tokens tokens; returns the full group's."""
         table = self.block_tables.setdefault(seq_id, [])
+        windows = self.window_tables.setdefault(seq_id, [[] for _ in range(self.num_window_groups)])
+        self.num_released.setdefault(seq_id, 0)
         self.seq_hashes.setdefault(seq_id, [])
-        extra = self.blocks_needed(num_tokens) - len(table)
+        extra = self.num_blocks_to_grow(seq_id, num_tokens)
         if extra > self.num_free_blocks:
             raise OutOfBlocksError(f"need {extra} more KV blocks, {self.num_free_blocks} free")
-        for _ in range(extra):
-            block, _ = self.free_queue.popitem(last=False)
-            self._evict(block)
-            self.ref_counts[block] = 1
-            table.append(block)
+        for _ in range(extra // self.num_groups):
+            for group_table in (table, *windows):
+                block, _ = self.free_queue.popitem(last=False)
+                self._evict(block)
+                self.ref_counts[block] = 1
+                group_table.append(block)
         return table
 
+    def release_passed_chunks(self, seq_id: str, num_computed: int) -> None:
+        """Give back the chunked groups' blocks that end before the chunk of position num_computed,
+        the first one still to compute (or to verify, with drafts): no query reads them again."""
+        first = min(self.window_start_block(num_computed), len(self.block_tables.get(seq_id, ())))
+        released = self.num_released.get(seq_id, 0)
+        if not self.num_window_groups or first <= released:
+            return
+        for table in self.window_tables[seq_id]:
+            for block in table[released:first]:
+                self._give_back(block)
+        self.num_released_blocks += (first - released) * self.num_window_groups
+        self.num_released[seq_id] = first
+
+    def blocks_held(self) -> list[int]:
+        """Blocks held per group (full attention first), over every sequence."""
+        held = [sum(map(len, self.block_tables.values()))]
+        for group in range(self.num_window_groups):
+            held.append(sum(len(tables[group]) - self.num_released[seq_id]
+                            for seq_id, tables in self.window_tables.items()))
+        return held
+
     def cache_full_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Enter the blocks of seq_id that are full of computed tokens into the prefix cache."""
+        """Enter the blocks of seq_id that are full of computed tokens into the prefix cache, in
+        every group that still holds them."""
         if not self.enable_prefix_caching:
             return
         table, hashes = self.block_tables[seq_id], self.seq_hashes[seq_id]
+        windows, released = self.window_tables[seq_id], self.num_released[seq_id]
         for i in range(len(hashes), min(num_computed // self.block_size, len(table))):
             block_tokens = token_ids[i * self.block_size : (i + 1) * self.block_size]
             block_hash = hash_block(hashes[-1] if hashes else b"", block_tokens)
@@ -118,10 +184,16 @@ class BlockManager:
             if key is None:  # the token after the block is not known yet
                 break
             hashes.append(block_hash)
-            # If equal content is already cached in another block, this copy stays private.
-            if key not in self.cached:
-                self.block_hash[table[i]] = key
-                self.cached[key] = table[i]
+            self._cache(0, key, table[i])
+            if i >= released:
+                for group, window in enumerate(windows, start=1):
+                    self._cache(group, key, window[i])
+
+    def _cache(self, group: int, key: bytes, block: int) -> None:
+        # If equal content is already cached in another block, this copy stays private.
+        if (group, key) not in self.cached:
+            self.block_hash[block] = (group, key)
+            self.cached[group, key] = block
 
     def _cache_key(self, block_hash: bytes, token_ids: list[int], index: int) -> bytes | None:
         """What block `index` of token_ids is cached under: its content hash, followed by the token
@@ -134,19 +206,28 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         """Release seq_id's blocks; the tail goes to the free queue first so that it is evicted
         before the shared prefix is."""
+        released = self.num_released.pop(seq_id, 0)
+        for table in self.window_tables.pop(seq_id, []):
+            for block in reversed(table[released:]):
+                self._give_back(block)
         for block in reversed(self.block_tables.pop(seq_id, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_queue[block] = None
+            self._give_back(block)
         self.seq_hashes.pop(seq_id, None)
 
-    def _take(self, block: int) -> None:
+    def _give_back(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+
+    def _take(self, key: tuple[int, bytes]) -> int:
+        block = self.cached[key]
         if self.ref_counts[block] == 0:
             del self.free_queue[block]
         self.ref_counts[block] += 1
+        return block
 
     def _evict(self, block: int) -> None:
-        block_hash = self.block_hash[block]
-        if block_hash is not None:
-            del self.cached[block_hash]
+        key = self.block_hash[block]
+        if key is not None:
+            del self.cached[key]
             self.block_hash[block] = None

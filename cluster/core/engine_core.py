@@ -50,6 +50,7 @@ from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.structured_output.grammar import masked
 from warpspec.tokenizer import Tokenizer
+from warpspec.workers.kv_groups import kv_group_layout
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import StepOutput
 from warpspec.workers.step import SequenceStep, StepPlan
@@ -104,15 +105,20 @@ class EngineCore:
         self.proposer = proposer
         # The draft's KV at a block's last position pairs it with the token after the block: a
         # cached block is reusable only by requests that continue it with the same token.
+        self.kv_layout = kv_group_layout(self.model_config, config.cache.hybrid)
         self.block_manager = BlockManager(self.executor.num_blocks, self.block_size,
                                           config.scheduler.enable_prefix_caching,
-                                          key_by_next_token=self.proposer is not None)
+                                          key_by_next_token=self.proposer is not None,
+                                          num_window_groups=self.kv_layout.num_window_groups,
+                                          chunk_size=self.kv_layout.chunk_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         self.validator = RequestValidator(self.tokenizer, config.model, self.model_config.vocab_size,
                                           self.max_model_len, self.block_manager.num_blocks, self.block_size,
                                           config.seed, self.model_config.eos_token_ids,
-                                          has_draft=self.proposer is not None)
+                                          has_draft=self.proposer is not None,
+                                          kv_layout=self.kv_layout,
+                                          max_step_tokens=config.scheduler.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self.compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests awaiting their matcher
         self.released: list[str] = []  # finished or aborted since the proposer last heard
@@ -261,7 +267,11 @@ class EngineCore:
                            step_costs=tuple((r["step"], r["num_seqs"], r["length"], r["ms"])
                                             for r in self.step_costs.rows()) if policy else (),
                            acceptance_rates=tuple(policy.acceptance.rates) if policy else (),
-                           draft_length=policy.last_choice if policy else None)
+                           draft_length=policy.last_choice if policy else None,
+                           kv_blocks_by_group=tuple(zip([group.name for group in self.kv_layout.groups],
+                                                        blocks.blocks_held(), strict=True))
+                           if self.kv_layout.is_hybrid else (),
+                           num_released_kv_blocks=blocks.num_released_blocks)
 
     @property
     def num_waiting(self) -> int:
@@ -321,12 +331,14 @@ class EngineCore:
             # [t, d1] padded to 4: [t, d1, d1, d1]; the padding's KV lands past the last known token,
             # where a rejected draft's would (rewritten before it is read), and its logits are not read.
             token_ids = item.token_ids + item.token_ids[-1:] * (padded_len - len(item.token_ids))
-            plan.append(SequenceStep(token_ids, item.num_cached, self.block_manager.block_tables[item.seq.request_id],
-                                     self._logits_from(item), item.seq.request_id))
+            request_id = item.seq.request_id
+            plan.append(SequenceStep(token_ids, item.num_cached, self.block_manager.block_tables[request_id],
+                                     self._logits_from(item), request_id,
+                                     self.block_manager.window_tables[request_id]))
         aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else []
         left, self.left_request_ids = self.left_request_ids, []
         execute_start = time.perf_counter()
-        output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left))
+        output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left, self.kv_layout.chunk_size))
         if self.times_gpu_steps:  # the GPU's work is queued: wait for it, or the step reads as its launch
             torch.cuda.synchronize()
         execute_s = time.perf_counter() - execute_start
@@ -401,8 +413,7 @@ class EngineCore:
         # A share ending near its request's last block may need one more for the padding's KV: taken
         # when free (the request gives it back when it ends), else the step runs as it is.
         blocks = self.block_manager
-        needed = sum(blocks.blocks_needed(item.num_cached + padded) - len(blocks.block_tables[item.seq.request_id])
-                     for item in scheduled)
+        needed = sum(blocks.num_blocks_to_grow(item.seq.request_id, item.num_cached + padded) for item in scheduled)
         if needed > blocks.num_free_blocks:
             return 0
         for item in scheduled:

@@ -12,6 +12,7 @@ from warpspec.errors import InvalidRequestError
 from warpspec.sampling_params import SamplingParams
 from warpspec.structured_output.grammar import GrammarCompiler
 from warpspec.tokenizer import Tokenizer
+from warpspec.workers.kv_groups import KVGroupLayout
 
 Prompt = str | list[int]
 
@@ -41,12 +42,15 @@ class RequestValidator:
 
     def __init__(self, tokenizer: Tokenizer | None, model: str, vocab_size: int, max_model_len: int,
                  num_kv_blocks: int, block_size: int, seed: int, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 has_draft: bool = False):
-        """has_draft: the engine speculates with a draft model (a request may then ask for speculation)."""
+                 has_draft: bool = False, kv_layout: KVGroupLayout | None = None, max_step_tokens: int = 0):
+        """has_draft: the engine speculates with a draft model (a request may then ask for speculation).
+        kv_layout, max_step_tokens: the KV groups a request's blocks come in (one group when None),
+        and the most tokens a step runs (max_num_batched_tokens), which a chunked group holds at once."""
         self.tokenizer, self.model = tokenizer, model
         self.has_draft = has_draft
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        self.kv_layout, self.max_step_tokens = kv_layout, max_step_tokens
         self.seed_source = torch.Generator().manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids)
         self._grammars: GrammarCompiler | None = None
@@ -88,9 +92,11 @@ class RequestValidator:
             raise InvalidRequestError(f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} "
                                       "leaves no room for output")
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
-        needed = -(-longest // self.block_size)
-        if needed > self.num_kv_blocks:
-            raise InvalidRequestError(f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
+        needs = ([-(-longest // self.block_size)] if self.kv_layout is None
+                 else self.kv_layout.blocks_for(longest, self.block_size, self.max_step_tokens))
+        if sum(needs) > self.num_kv_blocks:
+            need = str(needs[0]) if self.kv_layout is None else self.kv_layout.describe_need(needs)
+            raise InvalidRequestError(f"prompt + max_tokens needs {need} KV blocks but the cache has only "
                                       f"{self.num_kv_blocks}; lower max_tokens or grow the KV cache")
         if params.structured_output is not None:
             self.grammars.check(params.structured_output)

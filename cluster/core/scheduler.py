@@ -115,11 +115,13 @@ class Scheduler:
 
     def update_after_step(self, output: SchedulerOutput, num_rejected: dict[str, int]) -> None:
         """The step ran: its tokens are in the KV cache now, except rejected drafts, whose entries are
-        rolled back (they are overwritten later, and never enter the prefix cache)."""
+        rolled back (they are overwritten later, and never enter the prefix cache). A hybrid cache's
+        chunked groups give back the blocks before the next step's chunk."""
         for item in output.scheduled:
             seq = item.seq
             seq.num_cached = item.num_cached + len(item.token_ids) - num_rejected.get(seq.request_id, 0)
             self.block_manager.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_cached)
+            self.block_manager.release_passed_chunks(seq.request_id, seq.num_cached)
 
     @staticmethod
     def _num_new_tokens(seq: Sequence, budget: int) -> int:

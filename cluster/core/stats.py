@@ -29,3 +29,7 @@ class EngineStats:
     # draft length the last step chose for its batch (None: fixed, or not chosen by rate yet).
     acceptance_rates: tuple[float, ...] = ()
     draft_length: int | None = None
+    # A hybrid KV cache (workers/kv_groups.py): blocks held per KV group, full attention first, by
+    # name ("full attention", "chunked attention (8192)", ...); empty with one group.
+    kv_blocks_by_group: tuple[tuple[str, int], ...] = ()
+    num_released_kv_blocks: int = 0  # chunked groups' blocks given back as sequences crossed chunks

@@ -156,7 +156,7 @@ class DriverExecutor:
         step_bytes = b""
         if self.workers:
             step_bytes = self.mirror.update(plan.seqs, plan.block_size, plan.aux_layer_ids,
-                                           plan.left_request_ids).to_bytes()
+                                           plan.left_request_ids, plan.chunk_size).to_bytes()
         start = time.perf_counter()
         try:
             output, replies = self._run_step(step, step_bytes)

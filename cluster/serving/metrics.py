@@ -51,6 +51,9 @@ class ReplicaStats:
     step_costs: tuple[tuple[str, int, int, float], ...] = ()
     acceptance_rates: tuple[float, ...] = ()
     draft_length: int | None = None
+    # A hybrid KV cache (EngineStats): blocks held per KV group, and chunked blocks given back.
+    kv_blocks_by_group: tuple[tuple[str, int], ...] = ()
+    num_released_kv_blocks: int = 0
 
     @classmethod
     def of(cls, engine: EngineStats, num_in_flight: int, num_aborted: int, is_healthy: bool) -> ReplicaStats:

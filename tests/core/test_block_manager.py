@@ -68,3 +68,69 @@ def test_with_a_draft_a_cached_block_serves_only_requests_that_continue_it_the_s
     blocks.allocate("short", 4)
     blocks.cache_full_blocks("short", [8, 8, 8, 8], 4)
     assert blocks.match_prefix("again", [8, 8, 8, 8, 8]) == 0
+
+
+def hybrid(num_blocks: int, chunk_size: int = 8, **kwargs) -> BlockManager:
+    """A hybrid KV cache's bookkeeping: the full group and two chunked groups."""
+    return BlockManager(num_blocks, BLOCK, num_window_groups=2, chunk_size=chunk_size, **kwargs)
+
+
+def test_chunked_groups_give_back_their_blocks_as_a_sequence_crosses_each_chunk():
+    blocks = hybrid(num_blocks=40)
+    blocks.match_prefix("a", [])
+    blocks.allocate("a", 21)  # 6 blocks in each of 3 groups
+    assert blocks.num_free_blocks == 40 - 18 and blocks.blocks_held() == [6, 6, 6]
+    blocks.release_passed_chunks("a", 21)  # position 21's chunk starts at 16: blocks 0-3 end before it
+    assert blocks.num_released_blocks == 2 * 4 and blocks.blocks_held() == [6, 2, 2]
+    assert blocks.num_free_blocks == 40 - 18 + 8
+    blocks.release_passed_chunks("a", 23)  # same chunk: nothing more
+    assert blocks.num_released_blocks == 8
+    blocks.allocate("a", 25)  # 7 blocks: one more in each group
+    blocks.release_passed_chunks("a", 24)  # chunk [24, 32): blocks 4-5 go too
+    assert blocks.blocks_held() == [7, 1, 1] and blocks.num_released_blocks == 12
+    assert blocks.window_tables["a"][0][6] == blocks.window_tables["a"][0][-1]  # still indexed by position
+    blocks.free("a")
+    assert blocks.num_free_blocks == 40 and blocks.blocks_held() == [0, 0, 0]
+
+
+def test_a_chunk_start_inside_a_block_keeps_that_block():
+    blocks = hybrid(num_blocks=40, chunk_size=6)
+    blocks.match_prefix("a", [])
+    blocks.allocate("a", 14)  # blocks 0-3 (positions 0..15)
+    blocks.release_passed_chunks("a", 13)  # chunk [12, 18): block 3 holds 12; blocks 0-2 go
+    assert blocks.blocks_held() == [4, 1, 1]
+    blocks.release_passed_chunks("a", 12)  # chunk [12, 18) again: nothing
+    assert blocks.blocks_held() == [4, 1, 1]
+
+
+def test_a_growing_sequence_needs_new_blocks_in_every_group():
+    blocks = hybrid(num_blocks=9)
+    blocks.match_prefix("a", [])
+    assert blocks.num_blocks_to_grow("a", 8) == 6 and blocks.can_allocate("a", 12)
+    assert not blocks.can_allocate("a", 13)  # 4 blocks x 3 groups > 9
+    with pytest.raises(OutOfBlocksError, match="need 12 more KV blocks, 9 free"):
+        blocks.allocate("a", 13)
+
+
+def test_a_hybrid_prefix_hit_needs_the_whole_prefix_in_the_full_group_and_its_last_chunk_in_the_others():
+    prompt = list(range(100, 123))  # 23 tokens: 5 full blocks (positions 0..19)
+    plain, blocks = BlockManager(num_blocks=64, block_size=BLOCK), hybrid(num_blocks=64)
+    for manager in (plain, blocks):
+        manager.match_prefix("a", prompt)
+        manager.allocate("a", len(prompt))
+        manager.cache_full_blocks("a", prompt, len(prompt))
+        manager.release_passed_chunks("a", len(prompt))  # a's chunked blocks 0-3 go back, still cached
+    # The same hit as without the hybrid cache: 5 blocks, resuming at 20, whose chunk starts at 16.
+    assert plain.match_prefix("b", prompt) == blocks.match_prefix("b", prompt) == 20
+    assert blocks.num_released["b"] == 4  # entries 0-3 of b's chunked tables are stale
+    assert blocks.window_tables["b"][1][4] == blocks.window_tables["a"][1][4]  # block 4 shared
+    # Evict everything free, a's given-back chunked blocks 0-3 among them. A 13-token prompt could
+    # resume at 12, in chunk [8, 16), whose chunked block 2 is gone; resuming at 8, a chunk's start,
+    # needs nothing from the chunked groups: 8 tokens hit.
+    blocks.free("b")
+    blocks.allocate("filler", BLOCK * (blocks.num_free_blocks // 3))
+    assert blocks.num_free_blocks == 0
+    assert blocks.match_prefix("c", prompt[:13]) == 8
+    assert blocks.num_released["c"] == 2 and blocks.window_tables["c"][0] == [0, 0]  # stale entries only
+    # A long prompt still hits: blocks 4 (chunk [16, 24)) is held by a.
+    assert blocks.match_prefix("d", prompt) == 20

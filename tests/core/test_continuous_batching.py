@@ -32,16 +32,23 @@ def _requests(seed: int = 0):
     return requests
 
 
-def test_random_arrivals_match_solo_runs(checkpoint):
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "full"])
+def test_random_arrivals_match_solo_runs(checkpoint, hybrid):
+    """The solo runs keep the default (hybrid) cache: the crowd on a full cache must match it too."""
     requests = _requests()
     with LLM(str(checkpoint), dtype="float32", enable_prefix_caching=False) as solo:
         expected = {rid: solo.generate([prompt], params)[0].token_ids for rid, prompt, params, _ in requests}
-    # 20 blocks of 4 tokens hold ~80 tokens: far less than the requests need at once.
-    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=20, max_num_batched_tokens=16) as llm:
+    # 20 blocks of 4 tokens in every layer hold ~80 tokens: far less than the requests need at once.
+    # A hybrid block holds one layer per group (4 layers: 1 full + 3 chunked groups, one tensor), so
+    # the same memory is 80 of them.
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=80 if hybrid else 20,
+             max_num_batched_tokens=16, hybrid_kv_cache=hybrid) as llm:
         engine = llm.engine
+        assert engine.kv_layout.is_hybrid == hybrid
         got = run_staggered(engine, requests)
         assert engine.scheduler.num_preemptions > 0  # the tiny cache did force recomputes
         assert engine.block_manager.stats.hit_tokens > 0  # and the shared prefix was reused
+        assert (engine.block_manager.num_released_blocks > 0) == hybrid  # chunks passed gave blocks back
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # no leaks
         assert not engine.block_manager.block_tables
     for rid, _, params, _ in requests:
@@ -54,7 +61,8 @@ def test_prompt_logprobs_survive_chunking_and_preemption(checkpoint):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=2)
     with LLM(str(checkpoint), dtype="float32") as llm:
         expected = llm.generate([prompt], params)[0]
-    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=8) as llm:
+    # 14 blocks of every layer; with the hybrid cache's 4 groups of one layer, 56 of them.
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=56, max_num_batched_tokens=8) as llm:
         outs = llm.generate([prompt, list(range(50, 90))], params)
     assert outs[0].token_ids == expected.token_ids
     assert len(outs[0].prompt_logprobs) == len(prompt)

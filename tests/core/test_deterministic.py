@@ -18,9 +18,11 @@ from warpspec import LLM, SamplingParams
 from warpspec.entrypoints.async_llm import AsyncLLM
 
 BLOCK = 4
-# 20 blocks of 4 tokens: far less than the requests need at once (preemption); 16 tokens per step
-# (prefill chunks beside decodes and verifications).
-CROWD = dict(block_size=BLOCK, num_kv_blocks=20, max_num_batched_tokens=16)
+# 48 blocks of 4 tokens: far less than the requests need at once (preemption); 16 tokens per step
+# (prefill chunks beside decodes and verifications). The target keeps a hybrid KV cache (chunk 8):
+# its 6 layers are 6 KV groups of one layer, so a block is one layer's 4 tokens (the 20 blocks of
+# the full cache held 6 layers each), and a chunked group holds at most ~7 blocks of a sequence.
+CROWD = dict(block_size=BLOCK, num_kv_blocks=48, max_num_batched_tokens=16)
 BF16 = dict(dtype="bfloat16", deterministic=True)
 
 
@@ -37,9 +39,12 @@ def draft(tmp_path_factory):
 
 def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]:
     """(request id, prompt, params, the step it arrives at): greedy, and seeded top-p sampling; a
-    third share an opening of two whole blocks (prefix-cache hits)."""
+    third share an opening of three whole blocks (prefix-cache hits). With the draft a cached block
+    is keyed by the token after it too, so the first two serve: a hit resumes at 8, where a chunk
+    starts, and needs nothing from the hybrid cache's chunked groups (whose given-back blocks the
+    tiny cache evicts first)."""
     rng = random.Random(seed)
-    shared = [rng.randrange(3, 160) for _ in range(2 * BLOCK)]
+    shared = [rng.randrange(3, 160) for _ in range(3 * BLOCK)]
     requests = []
     for i in range(10):
         own = [rng.randrange(3, 160) for _ in range(rng.randrange(1, 24))]

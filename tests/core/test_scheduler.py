@@ -122,7 +122,7 @@ def test_eviction_takes_the_least_recently_freed_cached_block():
         manager.cache_full_blocks(name, tokens, 2)
         manager.free(name)
     old_hash, new_hash = prefix_block_hashes([1, 2], 2)[0], prefix_block_hashes([5, 6], 2)[0]
-    assert old_hash in manager.cached and new_hash in manager.cached
+    assert (0, old_hash) in manager.cached and (0, new_hash) in manager.cached
     manager.match_prefix("x", [9])
     manager.allocate("x", 6)  # three blocks from the front of the free queue: old tail, old head, new tail
-    assert old_hash not in manager.cached and new_hash in manager.cached
+    assert (0, old_hash) not in manager.cached and (0, new_hash) in manager.cached

@@ -107,13 +107,19 @@ def test_bad_prompts_are_rejected_before_anything_runs(llm, prompt, message):
 
 
 def test_request_that_can_never_fit_the_kv_cache(checkpoint):
-    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=3) as llm:
-        with pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the cache has only 3"):
+    # The checkpoint's 4 layers keep a hybrid KV cache (chunk 64): a full-attention group and three
+    # chunked groups, each with its own blocks. 20 tokens take 5 blocks in every group.
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=12) as llm:
+        with pytest.raises(InvalidRequestError, match=r"needs 20 \(full attention 5, 3 chunked attention \(64\) "
+                                                      r"groups 5 each\) KV blocks but the cache has only 12"):
             llm.generate([[1] * 10], SamplingParams(max_tokens=10))
         # Requests that fit one at a time all complete, queued behind each other.
         outs = llm.generate([[1] * 4, [2] * 5, [3] * 6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         assert [len(o.token_ids) for o in outs] == [6, 6, 6]
-        assert llm.engine.block_manager.num_free_blocks == 3
+        assert llm.engine.block_manager.num_free_blocks == 12
+    full = LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=3, hybrid_kv_cache=False)
+    with full, pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the cache has only 3"):
+        full.generate([[1] * 10], SamplingParams(max_tokens=10))
 
 
 def test_shutdown_and_context_manager(checkpoint):

@@ -13,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from steps import build_step
 
 from hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
@@ -36,7 +37,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runners(checkpoint):
     """(eager, compiled) runners over the same weights and equally sized caches."""
-    cache = CacheConfig(block_size=BLOCK, num_blocks=24)
+    cache = CacheConfig(block_size=BLOCK, num_blocks=48)  # 12 a KV group: chunk 8 makes the cache hybrid
     eager = ModelRunner(checkpoint, "float32", cache)
     compiled = ModelRunner(checkpoint, "float32", cache, cuda_graphs=SHAPES)
     assert isinstance(compiled.graph_runner, CompiledStepRunner)
@@ -84,10 +85,9 @@ def test_compiled_step_matches_the_eager_step_and_writes_the_same_cache(runners,
         for cache in runner.kv_caches:
             cache.zero_()
         pointers = [cache.data_ptr() for cache in runner.kv_caches]
-        runner.execute(StepInput.build([SequenceStep(p, 0, t, 0) for p, t in zip(prompts, tables, strict=True)],
-                                       BLOCK))
-        step = StepInput.build([SequenceStep(n, len(p), t, 0)
-                                for p, t, n in zip(prompts, tables, new_tokens, strict=True)], BLOCK, [0, 1])
+        runner.execute(build_step(runner, [SequenceStep(p, 0, t, 0) for p, t in zip(prompts, tables, strict=True)]))
+        step = build_step(runner, [SequenceStep(n, len(p), t, 0)
+                                   for p, t, n in zip(prompts, tables, new_tokens, strict=True)], [0, 1])
         output = runner.execute(step)
         assert [cache.data_ptr() for cache in runner.kv_caches] == pointers
         outputs.append(output)
@@ -273,8 +273,8 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
         assert runner.graph_runner.thread_counts == {(1, True): 1, (1, False): 2}
         recorder = runner.graph_runner.compiled = ThreadRecorder(runner.graph_runner.compiled)
         compiles = runner.graph_runner.num_compiles
-        one = StepInput.build([SequenceStep([5], 3, [0], 0)], BLOCK)
-        two = StepInput.build([SequenceStep([5], 3, [0], 0), SequenceStep([6], 7, [1, 2], 0)], BLOCK)
+        one = build_step(runner, [SequenceStep([5], 3, [0], 0)])
+        two = build_step(runner, [SequenceStep([5], 3, [0], 0), SequenceStep([6], 7, [1, 2], 0)])
         for step in (one, two, one):
             runner.execute(step)
             assert torch.get_num_threads() == 2  # restored after the step
@@ -290,7 +290,7 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
         assert (again.graph_runner.num_compiles, again.graph_runner.compiled.num_loaded) == (0, 2)
         # A target serving a draft returns aux layers' hidden states: another graph, saved apart, so
         # that a plain start and a start with the draft do not replace each other's files.
-        with_aux = StepInput.build([SequenceStep([5], 3, [0], 0)], BLOCK, [1])
+        with_aux = build_step(again, [SequenceStep([5], 3, [0], 0)], [1])
         assert again.graph_runner.saved_thread_count(one) == 1
         assert again.graph_runner.saved_thread_count(with_aux) is None
     finally:

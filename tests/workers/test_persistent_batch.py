@@ -77,5 +77,5 @@ def test_out_of_step_messages_and_other_versions_are_refused():
         batch.apply(BatchUpdate(BLOCK, tables=[[0, 0, [1, 2]]], seqs=[[0, 8, [1], 0]]))
     stale = BatchUpdate(BLOCK)
     stale.version = 0
-    with pytest.raises(ValueError, match="step message version 0; this worker reads version 1"):
+    with pytest.raises(ValueError, match="step message version 0; this worker reads version 2"):
         BatchUpdate.from_bytes(stale.to_bytes())
