@@ -60,8 +60,11 @@ def checkpoint(run_dir: Path, chunk_size: int, max_len: int) -> Path:
     return path
 
 
+ENFORCE_EAGER = {"enforce_eager": False}  # --enforce-eager
+
+
 def engine(path: Path, hybrid: bool, **options) -> LLM:
-    return LLM(str(path), dtype="float32", block_size=BLOCK, hybrid_kv_cache=hybrid, **options)
+    return LLM(str(path), dtype="float32", block_size=BLOCK, hybrid_kv_cache=hybrid, **ENFORCE_EAGER, **options)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -188,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-tokens", type=int, default=512, help="the capacity test's sequence length")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--enforce-eager", action="store_true", help="no compiled steps (quicker to start)")
     args = parser.parse_args(argv)
+    ENFORCE_EAGER["enforce_eager"] = args.enforce_eager
     if args.chunk_size < BLOCK or args.chunks < 1 or args.repeats < 1:
         parser.error(f"--chunk-size must be at least {BLOCK}, --chunks and --repeats at least 1")
     run_dir = Path(args.run_dir)

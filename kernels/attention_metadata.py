@@ -34,6 +34,7 @@ class PagedAttentionMetadata:
         self.is_uniform = is_uniform or max_query_len == 1  # one query per sequence is uniform too
         self.kv_starts = kv_starts
         self._padded: dict[str, torch.Tensor] | None = None
+        self._like: PagedAttentionMetadata | None = None  # over_tables: the same positions, other blocks
         self.masks: dict[int | None, torch.Tensor] = {}
 
     def over_tables(self, block_tables: torch.Tensor, max_seq_len: int, kv_starts: torch.Tensor | None,
@@ -44,7 +45,7 @@ class PagedAttentionMetadata:
         other = PagedAttentionMetadata(self.query_start_loc, self.seq_lens, block_tables, self.block_size,
                                        self.max_query_len, max_seq_len, self.num_tokens, self.is_uniform, kv_starts)
         if like is not None:
-            other.masks = like.masks
+            other.masks, other._like = like.masks, like
         return other
 
     # What the Triton kernel needs instead of the padded views, built on first use (the reference
@@ -68,6 +69,8 @@ class PagedAttentionMetadata:
 
     def padded(self) -> dict[str, torch.Tensor]:
         """The reference's padded views, built on first use (the Triton kernel never needs them)."""
+        if self._padded is None and self._like is not None:  # only the slots differ
+            self._padded = {**self._like.padded(), "slots": self._slots(self._like.padded()["kv_positions"])}
         if self._padded is None:
             device = self.seq_lens.device
             # Pad the ragged queries into [num_seqs, max_query_len]: seq 0 with 2 queries, seq 1 with
@@ -80,15 +83,18 @@ class PagedAttentionMetadata:
                     max=max(self.num_tokens - 1, 0)),
                 "q_positions": (self.seq_lens - self.query_lens)[:, None] + q_offsets[None, :],
                 "kv_positions": kv_positions,
-                # Each sequence's cache slots in position order from its table's start, through the table.
-                "slots": (self.block_tables.long()[:, kv_positions // self.block_size] * self.block_size
-                          + kv_positions % self.block_size),
+                "slots": self._slots(kv_positions),
             }
             # [num_seqs or 1, max_seq_len]: the position each slot holds. Table from 32, block 16:
             # slots hold 32, 33, ... (a chunk starting at 40 masks 32..39 of its first block).
             self._padded["kv_abs_positions"] = (kv_positions[None, :] if self.kv_starts is None
                                                 else self.kv_starts[:, None] + kv_positions[None, :])
         return self._padded
+
+    def _slots(self, kv_positions: torch.Tensor) -> torch.Tensor:
+        """Each sequence's cache slots in position order from its table's start, through the table."""
+        return (self.block_tables.long()[:, kv_positions // self.block_size] * self.block_size
+                + kv_positions % self.block_size)
 
     def mask(self, chunk_size: int | None) -> torch.Tensor:
         """[num_seqs, 1, max_query_len, max_seq_len] bool: causal, and for chunked layers within the

@@ -184,8 +184,9 @@ class EngineCore:
             # Without drafts the draft reads a backlog once per DRAFT_BACKLOG steps (_with_backlogs).
             num_positions, share = (DRAFT_BACKLOG, DRAFT_BACKLOG) if num_drafts == 0 else (q, 1)
             for b in sizes:
-                plan = StepPlan([SequenceStep([0] * q, 0, table, 0, ids[i]) for i in range(b)], self.block_size,
-                                aux_layer_ids)
+                windows = [table] * self.kv_layout.num_window_groups  # a hybrid cache's chunked groups
+                plan = StepPlan([SequenceStep([0] * q, 0, table, 0, ids[i], windows) for i in range(b)],
+                                self.block_size, aux_layer_ids, chunk_size=self.kv_layout.chunk_size)
                 target, draft = [], []
                 for _ in range(3):
                     start = time.perf_counter()

@@ -84,3 +84,17 @@ def test_metrics_count_cached_prompt_tokens(checkpoint):
                 "time_per_output_token_s"):
         assert key in second.metrics
     assert second.metrics["prompt_tokens"] == 37 and second.metrics["completion_tokens"] == 4
+
+
+def test_stats_give_the_blocks_each_kv_group_holds(checkpoint):
+    """A 20-token prompt in blocks of 4 with chunk 8: after its prefill every group holds 5 blocks
+    but the chunked ones give back blocks 0-3 (positions 0..15, before position 20's chunk)."""
+    with LLM(str(checkpoint), dtype="float32", block_size=4, enforce_eager=True) as llm:
+        core = llm.engine
+        core.add_request(core.new_request("a", list(range(3, 23)), SamplingParams(max_tokens=4, temperature=0)))
+        core.step()
+        stats = core.stats()
+        assert stats.kv_blocks_by_group == (("full attention", 5), ("chunked attention (8)", 1),
+                                            ("chunked attention (8)", 1), ("chunked attention (8)", 1))
+        assert stats.num_released_kv_blocks == 3 * 4
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks - 8

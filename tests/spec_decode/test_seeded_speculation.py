@@ -16,9 +16,11 @@ from warpspec import LLM, SamplingParams
 from warpspec.entrypoints.async_llm import AsyncLLM
 
 BLOCK = 4
-# A crowd engine: 20 blocks of 4 tokens hold far less than the requests need at once (preemption),
+# A crowd engine: 48 blocks of 4 tokens hold far less than the requests need at once (preemption),
 # 16 tokens per step (chunked prefill, and verifications that wait for room), prefix caching on.
-CROWD = dict(block_size=BLOCK, num_kv_blocks=20, max_num_batched_tokens=16)
+# The target keeps a hybrid KV cache (chunk 8): its 6 layers are 6 KV groups of one layer each, so a
+# block holds one layer's 4 tokens (the 20 blocks of the full cache held 6 layers each).
+CROWD = dict(block_size=BLOCK, num_kv_blocks=48, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +35,12 @@ def draft(tmp_path_factory):
 
 def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]:
     """(request id, prompt, params, the step it arrives at). Every kind of request: greedy, seeded
-    top-p / top-k / min-p, penalties (never drafted), stop tokens; a third share an opening of two
-    whole blocks, so their prefix hits end exactly at a block boundary."""
+    top-p / top-k / min-p, penalties (never drafted), stop tokens; a third share an opening of three
+    whole blocks. A cached block is keyed by the token after it too (the draft's KV), so the first
+    two serve: their prefix hits end at a block boundary, where a chunk starts (the hybrid cache's
+    chunked groups then need nothing; the tiny cache evicts their given-back blocks first)."""
     rng = random.Random(seed)
-    shared = [rng.randrange(3, 160) for _ in range(2 * BLOCK)]
+    shared = [rng.randrange(3, 160) for _ in range(3 * BLOCK)]
     kinds = [
         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),

@@ -42,7 +42,9 @@ def _prompts(lengths=(5, 17, 30, 1, 9)) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(target):
-    with LLM(str(target), dtype="float32") as llm:
+    """Greedy without the draft, on a full KV cache: the target's chunk (8) is shorter than the
+    prompts, so the engines with the draft below keep the hybrid cache; their tokens must be these."""
+    with LLM(str(target), dtype="float32", hybrid_kv_cache=False) as llm:
         return llm.generate(_prompts(), GREEDY)
 
 
@@ -54,6 +56,7 @@ def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, 
         outs = llm.generate(_prompts(), GREEDY)
         stats = llm.engine.spec_stats
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+        assert llm.engine.kv_layout.is_hybrid and llm.engine.block_manager.num_released_blocks > 0
         graph_runner = llm.engine.executor.runner.graph_runner
         assert (graph_runner is None) == enforce_eager
         if graph_runner is not None:
