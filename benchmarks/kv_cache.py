@@ -7,7 +7,8 @@
              context one sequence reaches, and the most --seq-tokens sequences running at once
   steps      decode time per output token at a short context and at --chunks chunks, batch 1 and 8,
              the two caches alternating, median of --repeats
-  prefix     a shared-prefix workload: prefix-cache hit rate, on against off, and the same greedy tokens
+  prefix     a shared-prefix workload with the EAGLE-3 draft (the bundled pair, its target given a
+             chunk of --chunk-size): prefix-cache hit rate and acceptance, and the same greedy tokens
 
 Both caches run the same engine and model; only `hybrid_kv_cache` differs.
 """
@@ -27,7 +28,7 @@ from warpspec.entrypoints.llm import LLM
 from warpspec.errors import InvalidRequestError
 from warpspec.sampling_params import SamplingParams
 from warpspec.training.random_checkpoint import create_random_checkpoint
-from warpspec.workers.kv_groups import kv_bytes_per_sequence, kv_bytes_per_token_layer, kv_group_layout
+from warpspec.workers.kv_groups import kv_bytes_per_sequence, kv_bytes_per_token_layer
 from warpspec.workers.model_config import ModelConfig
 
 # The attention shapes of Llama 4's text configs (Hugging Face config.json): 48 layers, every fourth
@@ -89,11 +90,12 @@ def capacity(path: Path, hybrid: bool, budget_bytes: int, seq_tokens: int, num_s
     """The longest single context, and the most seq_tokens-token sequences running at once, in
     budget_bytes of KV."""
     config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
-    layout = kv_group_layout(config, hybrid)
-    num_blocks = budget_bytes // (BLOCK * layout.num_tensors * kv_bytes_per_token_layer(config, 4))
+    # num_kv_blocks counts blocks of every layer, the same memory in either layout.
+    num_blocks = budget_bytes // (BLOCK * config.num_hidden_layers * kv_bytes_per_token_layer(config, 4))
     with engine(path, hybrid, num_kv_blocks=num_blocks, max_num_seqs=num_seqs,
                 max_num_batched_tokens=256) as llm:
         core = llm.engine
+        num_blocks = core.block_manager.num_blocks
         longest, low, high = 0, 1, core.max_model_len - 1
         while low <= high:  # what one request may ask for alone, as the engine's boundary answers
             mid = (low + high) // 2
@@ -139,17 +141,33 @@ def step_times(path: Path, contexts: dict[str, int], batches: tuple[int, ...], r
     return rows
 
 
-def prefix_hits(path: Path, chunk_size: int) -> list[dict]:
-    """Eight requests sharing a prefix of 2.5 chunks, each with its own ending."""
+def chunked_pair(run_dir: Path, target: Path, chunk_size: int) -> Path:
+    """The bundled target with a chunk of chunk_size (its own is 8,192, longer than its context, so it
+    keeps one KV group): the same weights, linked; a different model, the same one on either cache."""
+    path = run_dir / f"kv-cache-bench-{target.name}-c{chunk_size}"
+    path.mkdir(parents=True, exist_ok=True)
+    for file in target.iterdir():
+        link = path / file.name
+        if file.name != "config.json" and not link.exists():
+            link.symlink_to(file.resolve())
+    config = json.loads((target / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "attention_chunk_size": chunk_size}, indent=2))
+    return path
+
+
+def prefix_hits(target: Path, draft: Path, chunk_size: int) -> list[dict]:
+    """Eight requests sharing a prefix of 2.5 chunks, each with its own ending, one after another,
+    with the EAGLE-3 draft: prefix-cache hits and acceptance on either cache."""
     shared = [3 + j % 3000 for j in range(chunk_size * 5 // 2)]
     prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(8)]
     rows, tokens = [], {}
     for hybrid in (True, False):
-        with engine(path, hybrid) as llm:
-            outs = [llm.generate([prompt], greedy(16))[0] for prompt in prompts]
+        with engine(target, hybrid, draft=str(draft), compile_draft=not ENFORCE_EAGER["enforce_eager"]) as llm:
+            outs = [llm.generate([prompt], greedy(32))[0] for prompt in prompts]
             tokens[hybrid] = [o.token_ids for o in outs]
             rows.append({"hybrid": hybrid, "hit_rate": llm.engine.block_manager.stats.hit_rate,
-                         "hit_tokens": llm.engine.block_manager.stats.hit_tokens})
+                         "hit_tokens": llm.engine.block_manager.stats.hit_tokens,
+                         "acceptance_length": llm.engine.spec_stats.acceptance_length})
     for row in rows:
         row["same_tokens"] = tokens[True] == tokens[False]
     return rows
@@ -174,10 +192,10 @@ def table(results: dict) -> str:
     lines += [f"| {r['context']} ({r['tokens']}) | {r['batch']} | {r['hybrid_ms']:.3f} | {r['full_ms']:.3f} | "
               f"{r['ratio']:.2f} | {r['hybrid_spread'][0]:.3f}-{r['hybrid_spread'][1]:.3f} | "
               f"{r['full_spread'][0]:.3f}-{r['full_spread'][1]:.3f} | {r['same_tokens']} |" for r in results["steps"]]
-    lines += ["", "Shared-prefix workload:", "", "| cache | prefix hit rate | hit tokens | same tokens |",
-              "|---|---|---|---|"]
+    lines += ["", f"Shared-prefix workload with the EAGLE-3 draft ({results['pair']}):", "",
+              "| cache | prefix hit rate | hit tokens | acceptance length | same tokens |", "|---|---|---|---|---|"]
     lines += [f"| {'hybrid' if r['hybrid'] else 'full'} | {r['hit_rate']:.3f} | {r['hit_tokens']} | "
-              f"{r['same_tokens']} |" for r in results["prefix"]]
+              f"{r['acceptance_length']:.2f} | {r['same_tokens']} |" for r in results["prefix"]]
     return "\n".join(lines)
 
 
@@ -192,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--enforce-eager", action="store_true", help="no compiled steps (quicker to start)")
+    parser.add_argument("--target", default="assets/tiny-maverick", help="the prefix test's target, rechunked")
+    parser.add_argument("--draft", default="assets/tiny-maverick-eagle3", help="the prefix test's EAGLE-3 draft")
     args = parser.parse_args(argv)
     ENFORCE_EAGER["enforce_eager"] = args.enforce_eager
     if args.chunk_size < BLOCK or args.chunks < 1 or args.repeats < 1:
@@ -207,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                            for hybrid in (True, False)]
     contexts = {"short": args.chunk_size // 2, f"{args.chunks} chunks": args.chunk_size * args.chunks}
     results["steps"] = step_times(path, contexts, tuple(int(b) for b in args.batches.split(",")), args.repeats)
-    results["prefix"] = prefix_hits(path, args.chunk_size)
+    pair = chunked_pair(run_dir, Path(args.target), args.chunk_size)
+    results["pair"] = f"{args.target} with attention_chunk_size {args.chunk_size}, {args.draft}"
+    results["prefix"] = prefix_hits(pair, Path(args.draft), args.chunk_size)
     results["seconds"] = time.perf_counter() - start
     text = table(results)
     print(text)

@@ -8,7 +8,7 @@ from warpspec.workers.step import SequenceStep, StepInput
 def build_step(runner, seqs: list[SequenceStep], aux_layer_ids: list[int] | None = None) -> StepInput:
     """StepInput.build for runner's KV cache. With a hybrid cache each chunked group gets blocks of
     its own, as the engine would give them: group g's table is the full group's shifted by g times
-    a stride of num_blocks / num_groups (the full group's tables must stay below it)."""
+    the cache's num_blocks (CacheConfig's: the runner holds that many blocks per group)."""
     layout = runner.kv_layout
     if layout.is_hybrid:
         stride = runner.num_blocks // len(layout.groups)

@@ -107,7 +107,8 @@ class DraftTrainer:
         num_val = min(max(1, int(len(chunks) * config.val_fraction)), config.max_val_chunks)
         self.val_chunks, self.train_chunks = chunks[:num_val], chunks[num_val:]
         blocks = config.batch_size * config.seq_len // 16 + config.batch_size
-        self.target = ModelRunner(config.target, "float32", CacheConfig(block_size=16, num_blocks=blocks))
+        # Each batch runs its whole sequences in one step: a hybrid cache's windows would save nothing.
+        self.target = ModelRunner(config.target, "float32", CacheConfig(block_size=16, num_blocks=blocks, hybrid=False))
         self.draft_ids = self._draft_vocabulary(chunks)
         self.draft = self._init_draft()
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=config.lr, weight_decay=0.0)

@@ -15,7 +15,9 @@ from warpspec.workers.model_config import ModelConfig
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    # None sizes the cache from memory_gib; an explicit count is for tests and tight budgets.
+    # None sizes the cache from memory_gib; an explicit count is for tests and tight budgets. A block
+    # is block_size tokens of every layer; a hybrid cache (kv_groups.py) splits each into one page
+    # per KV group, so the same memory holds num_blocks x groups of its blocks.
     num_blocks: int | None = None
     memory_gib: float = 1.0
     # Chunked-attention layers keep only their chunk's KV (kv_groups.py), for checkpoints that have them.
@@ -34,9 +36,9 @@ class CacheConfig:
         return num_tensors * self.block_size * kv_bytes_per_token_layer(config, dtype.itemsize, num_kv_heads)
 
     def resolve_num_blocks(self, config: ModelConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
-        """memory_gib is per rank; num_kv_heads is the rank's share."""
+        """The blocks of the cache's layout: memory_gib is per rank; num_kv_heads is the rank's share."""
         if self.num_blocks is not None:
-            return self.num_blocks
+            return self.num_blocks * len(kv_group_layout(config, self.hybrid).groups)
         return max(1, int(self.memory_gib * 2**30) // self.bytes_per_block(config, num_kv_heads, dtype))
 
 

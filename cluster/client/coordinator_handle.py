@@ -15,6 +15,7 @@ from ray.util.placement_group import remove_placement_group
 from warpspec.client.coordinator import CoordinatorActor
 from warpspec.config.engine import EngineConfig
 from warpspec.core.messages import CoreInput, StepReply
+from warpspec.core.requests import check_kv_capacity
 from warpspec.core.startup import StartupPhase, StartupTimer
 from warpspec.errors import EngineError, WorkerDiedError
 from warpspec.executor.driver import DispatchTiming
@@ -29,6 +30,7 @@ class CoordinatorHandle:
         # Reject an impossible split from config.json alone, before Ray or any weight is touched.
         self.model_config = ModelConfig.from_pretrained(config.model)
         check_parallel_layout(self.model_config, config.parallel.num_workers, config.parallel.moe_parallel)
+        check_kv_capacity(config, self.model_config)
         connect_ray(config.run_dir)
         # A served replica's ranks come with it in Serve's gang (bundles 1..N); elsewhere they are placed
         # here, not in the coordinator, so the group outlives a coordinator that dies (place_workers).

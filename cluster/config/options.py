@@ -67,7 +67,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     # KV cache.
     EngineOption("block_size", "cache.block_size", int, CacheConfig.block_size, "tokens per KV block"),
     EngineOption("num_kv_blocks", "cache.num_blocks", int, None,
-                 "KV blocks per worker (default: as many as kv_cache_memory_gib holds)"),
+                 "KV blocks per worker, each block_size tokens of every layer (default: as many as "
+                 "kv_cache_memory_gib holds; a hybrid cache holds one block per KV group in the memory of each)"),
     EngineOption("kv_cache_memory_gib", "cache.memory_gib", float, CacheConfig.memory_gib, "KV cache per worker, GiB"),
     EngineOption("hybrid_kv_cache", "cache.hybrid", bool, CacheConfig.hybrid,
                  "chunked-attention layers (Llama 4's RoPE layers) keep only their chunk's KV"),

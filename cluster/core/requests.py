@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from warpspec.config.engine import EngineConfig
 from warpspec.errors import InvalidRequestError
 from warpspec.sampling_params import SamplingParams
 from warpspec.structured_output.grammar import GrammarCompiler
 from warpspec.tokenizer import Tokenizer
-from warpspec.workers.kv_groups import KVGroupLayout
+from warpspec.workers.kv_groups import KVGroupLayout, kv_group_layout
+from warpspec.workers.loader import resolve_dtype
+from warpspec.workers.model_config import ModelConfig
 
 Prompt = str | list[int]
 
@@ -115,3 +118,23 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int) -
         raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings "
                          f"{max_position_embeddings}")
     return requested
+
+
+def check_kv_capacity(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Before any weight loads: a max_model_len asked for explicitly must fit one sequence in the KV
+    cache, in every KV group at once (workers/kv_groups.py). Left to the model's own limit, a smaller
+    cache stays allowed and a request that cannot fit is refused alone (RequestValidator)."""
+    if config.max_model_len is None:
+        return
+    max_model_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
+    layout = kv_group_layout(model_config, config.cache.hybrid)
+    needs = layout.blocks_for(max_model_len, config.cache.block_size, config.scheduler.max_num_batched_tokens)
+    world_size, kv_heads = config.parallel.num_workers, model_config.num_key_value_heads
+    num_kv_heads = kv_heads // world_size if kv_heads >= world_size else 1  # a rank's, as ModelRunner holds
+    num_blocks = config.cache.resolve_num_blocks(model_config, num_kv_heads, resolve_dtype(config.dtype, model_config))
+    if sum(needs) > num_blocks:
+        source = ("num_kv_blocks" if config.cache.num_blocks is not None
+                  else f"kv_cache_memory_gib {config.cache.memory_gib}")
+        raise ValueError(f"max_model_len {max_model_len} needs {layout.describe_need(needs)} KV blocks for one "
+                         f"sequence but the cache has {num_blocks} ({source}); lower max_model_len or grow the "
+                         "KV cache")

@@ -27,7 +27,9 @@ def test_bench_kv_cache_compares_the_hybrid_cache_with_the_full_one(tmp_path, ca
     assert hybrid["longest_context"] > full["longest_context"]
     assert hybrid["concurrent_seqs"] > full["concurrent_seqs"]
     assert all(row["same_tokens"] for row in report["steps"] + report["prefix"])
-    assert report["prefix"][0]["hit_tokens"] == report["prefix"][1]["hit_tokens"] > 0
+    hybrid_prefix, full_prefix = report["prefix"]
+    assert hybrid_prefix["hit_tokens"] == full_prefix["hit_tokens"] > 0
+    assert hybrid_prefix["acceptance_length"] == full_prefix["acceptance_length"] > 1
 
 
 def test_bad_arguments_are_refused():

@@ -38,10 +38,9 @@ def test_random_arrivals_match_solo_runs(checkpoint, hybrid):
     requests = _requests()
     with LLM(str(checkpoint), dtype="float32", enable_prefix_caching=False) as solo:
         expected = {rid: solo.generate([prompt], params)[0].token_ids for rid, prompt, params, _ in requests}
-    # 20 blocks of 4 tokens in every layer hold ~80 tokens: far less than the requests need at once.
-    # A hybrid block holds one layer per group (4 layers: 1 full + 3 chunked groups, one tensor), so
-    # the same memory is 80 of them.
-    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=80 if hybrid else 20,
+    # 20 blocks of 4 tokens hold ~80 tokens: far less than the requests need at once. (A hybrid cache
+    # holds 4 x 20 blocks of one layer in that memory: 1 full and 3 chunked groups.)
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=20,
              max_num_batched_tokens=16, hybrid_kv_cache=hybrid) as llm:
         engine = llm.engine
         assert engine.kv_layout.is_hybrid == hybrid
@@ -61,8 +60,7 @@ def test_prompt_logprobs_survive_chunking_and_preemption(checkpoint):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=2)
     with LLM(str(checkpoint), dtype="float32") as llm:
         expected = llm.generate([prompt], params)[0]
-    # 14 blocks of every layer; with the hybrid cache's 4 groups of one layer, 56 of them.
-    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=56, max_num_batched_tokens=8) as llm:
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=14, max_num_batched_tokens=8) as llm:
         outs = llm.generate([prompt, list(range(50, 90))], params)
     assert outs[0].token_ids == expected.token_ids
     assert len(outs[0].prompt_logprobs) == len(prompt)

@@ -215,3 +215,25 @@ def test_a_token_budget_that_cannot_hold_a_verification_is_refused(target, tmp_p
                                          r"\+ 1 = 5 when speculating, got 4"):
         LLM(str(target), dtype="float32", draft=str(tmp_path / "never-read"), num_speculative_tokens=4,
             max_num_batched_tokens=4)
+
+
+def test_kv_cache_bad_inputs_are_refused_before_any_weight_loads(target, tmp_path):
+    """A max_model_len one sequence cannot fit in every KV group at once, and chunked layers without a
+    chunk: the checkpoint has no weights, so each error comes before the loader looks for them."""
+    path = _copy(target, tmp_path)
+    _remove_weights(path)
+    # The tiny preset: 4 layers (1 NoPE), chunk 64, blocks of 16, 16 blocks of every layer = 64 of the
+    # hybrid cache's. 512 tokens take 32 blocks in the full group, and in each chunked group the chunk
+    # and a step of 2,048 tokens (max_num_batched_tokens), capped at the same 32: 128 in all.
+    with pytest.raises(ValueError, match=r"max_model_len 512 needs 128 \(full attention 32, 3 chunked attention "
+                                         r"\(64\) groups 32 each\) KV blocks for one sequence but the cache has 64 "
+                                         r"\(num_kv_blocks\)"):
+        LLM(str(path), dtype="float32", max_model_len=512, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"max_model_len 512 needs 32 KV blocks .* the cache has 16"):
+        LLM(str(path), dtype="float32", max_model_len=512, num_kv_blocks=16, hybrid_kv_cache=False)
+    config = json.loads((path / "config.json").read_text())
+    for chunk in (None, 0):
+        (path / "config.json").write_text(json.dumps({**config, "attention_chunk_size": chunk}))
+        with pytest.raises(CheckpointError, match=r"attention_chunk_size must be a positive integer when layers use "
+                                                  r"chunked attention \(no_rope_layers marks layers \[0, 1, 2\]\)"):
+            LLM(str(path), dtype="float32")

@@ -108,8 +108,9 @@ def test_bad_prompts_are_rejected_before_anything_runs(llm, prompt, message):
 
 def test_request_that_can_never_fit_the_kv_cache(checkpoint):
     # The checkpoint's 4 layers keep a hybrid KV cache (chunk 64): a full-attention group and three
-    # chunked groups, each with its own blocks. 20 tokens take 5 blocks in every group.
-    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=12) as llm:
+    # chunked groups, each with its own blocks, 4 x 3 in the memory of 3 blocks of every layer. 20
+    # tokens take 5 blocks in every group.
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=3) as llm:
         with pytest.raises(InvalidRequestError, match=r"needs 20 \(full attention 5, 3 chunked attention \(64\) "
                                                       r"groups 5 each\) KV blocks but the cache has only 12"):
             llm.generate([[1] * 10], SamplingParams(max_tokens=10))

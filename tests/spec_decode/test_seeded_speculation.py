@@ -16,11 +16,11 @@ from warpspec import LLM, SamplingParams
 from warpspec.entrypoints.async_llm import AsyncLLM
 
 BLOCK = 4
-# A crowd engine: 48 blocks of 4 tokens hold far less than the requests need at once (preemption),
-# 16 tokens per step (chunked prefill, and verifications that wait for room), prefix caching on.
-# The target keeps a hybrid KV cache (chunk 8): its 6 layers are 6 KV groups of one layer each, so a
-# block holds one layer's 4 tokens (the 20 blocks of the full cache held 6 layers each).
-CROWD = dict(block_size=BLOCK, num_kv_blocks=48, max_num_batched_tokens=16)
+# A crowd engine: 10 blocks of 4 tokens hold far less than the requests need at once (preemption),
+# 16 tokens per step (chunked prefill, and verifications that wait for room), prefix caching on. The
+# target's hybrid KV cache (chunk 8, 6 KV groups of one layer) needs less of that memory than the full
+# one did, whose 20 blocks preempted.
+CROWD = dict(block_size=BLOCK, num_kv_blocks=10, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")

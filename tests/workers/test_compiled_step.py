@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runners(checkpoint):
     """(eager, compiled) runners over the same weights and equally sized caches."""
-    cache = CacheConfig(block_size=BLOCK, num_blocks=48)  # 12 a KV group: chunk 8 makes the cache hybrid
+    cache = CacheConfig(block_size=BLOCK, num_blocks=24)
     eager = ModelRunner(checkpoint, "float32", cache)
     compiled = ModelRunner(checkpoint, "float32", cache, cuda_graphs=SHAPES)
     assert isinstance(compiled.graph_runner, CompiledStepRunner)

@@ -66,7 +66,7 @@ def test_prompt_logprobs_match_transformers_at_every_position(checkpoint):
     # Full vocabulary, every position, straight from the runner.
     # Every config has a chunk shorter than the prompt, so the runner keeps a hybrid KV cache: the
     # chunked layers attend over tables that start at their chunk (reversed block ids, 32 a group).
-    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=4, num_blocks=32 * 6))
+    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=4, num_blocks=32))
     assert runner.kv_layout.is_hybrid
     step = build_step(runner, [SequenceStep(prompt, 0, list(range(31, 21, -1)), logits_from=0)])
     got = torch.log_softmax(runner.execute(step).logits, dim=-1)
@@ -127,10 +127,10 @@ def test_transformers_4x_config_spelling_loads_the_same_model(tmp_path):
 def test_bfloat16_stays_close_to_float32(tmp_path):
     path = make_text_checkpoint(tmp_path / "ckpt", **CONFIGS["moe_every_layer_top1_qknorm_gqa4"])
     prompt = _prompt(5)
-    f32_runner = ModelRunner(path, "float32", CacheConfig(block_size=4, num_blocks=64))
+    f32_runner = ModelRunner(path, "float32", CacheConfig(block_size=4, num_blocks=16))
     step = build_step(f32_runner, [SequenceStep(prompt, 0, list(range(10)), logits_from=0)])
     f32 = f32_runner.execute(step).logits
-    bf16_runner = ModelRunner(path, "bfloat16", CacheConfig(block_size=4, num_blocks=64))
+    bf16_runner = ModelRunner(path, "bfloat16", CacheConfig(block_size=4, num_blocks=16))
     assert bf16_runner.kv_caches[0].dtype == torch.bfloat16
     bf16 = bf16_runner.execute(step).logits
     # bf16 keeps 8 mantissa bits: per-op relative error ~4e-3, a few layers deep stays well under 0.25.

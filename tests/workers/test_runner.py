@@ -29,7 +29,7 @@ def test_mixed_step_equals_each_sequence_alone(checkpoint):
     """One step holding a 9-token prefill, a 4-token verification crossing a block boundary and a
     1-token decode gives every sequence the logits it gets when run by itself."""
     a, b, c = _tokens(1, 9), _tokens(2, 10), _tokens(3, 6)
-    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=64))
+    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=32))
     assert runner.kv_layout.is_hybrid  # chunk 8: the chunked layers read from their chunk's start on
     tables = {"a": [0, 1, 2], "b": [3, 4, 5, 6], "c": [7, 8]}
     # Bring b (6 tokens) and c (5 tokens) into the cache first.
@@ -38,7 +38,7 @@ def test_mixed_step_equals_each_sequence_alone(checkpoint):
                                                SequenceStep(b[6:], 6, tables["b"], 0),
                                                SequenceStep(c[5:], 5, tables["c"], 0)])).logits
     assert mixed.shape[0] == 9 + 4 + 1
-    solo = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=64))
+    solo = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=32))
     expected = [solo.execute(build_step(solo, [SequenceStep(seq, 0, list(range(8)), 0)])).logits[-n:]
                 for seq, n in ((a, 9), (b, 4), (c, 1))]
     torch.testing.assert_close(mixed, torch.cat(expected), atol=1e-4, rtol=1e-4)
@@ -46,7 +46,7 @@ def test_mixed_step_equals_each_sequence_alone(checkpoint):
 
 def test_aux_hidden_states_are_the_streams_entering_those_layers(checkpoint):
     prompt = _tokens(4, 12)
-    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=16))
+    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=8))
     out = runner.execute(build_step(runner, [SequenceStep(prompt, 0, [0, 1, 2], 11)], aux_layer_ids=[0, 2, 3]))
     reference = load_reference(checkpoint)
     with torch.no_grad():
