@@ -4,7 +4,8 @@
              and Scout's shapes (computed from their configs), and the same formula against what a
              running engine holds on a scaled-down config (--chunk-size, one chunk of a few blocks)
   capacity   on that config, one KV budget in bytes (--budget-kib) for both caches: the longest
-             context one sequence reaches, and the most --seq-tokens sequences running at once
+             context one request may ask for, and the most --seq-tokens sequences (prompt and 64
+             new tokens) running at once
   steps      decode time per output token at a short context and at --chunks chunks, batch 1 and 8,
              the two caches alternating, median of --repeats
   prefix     a shared-prefix workload with the EAGLE-3 draft (the bundled pair, its target given a
@@ -55,7 +56,7 @@ def memory_rows() -> list[dict]:
 
 
 def checkpoint(run_dir: Path, chunk_size: int, max_len: int) -> Path:
-    path = run_dir / f"kv-cache-bench-c{chunk_size}"
+    path = run_dir / f"kv-cache-bench-c{chunk_size}-{max_len}"
     if not (path / "config.json").exists():
         create_random_checkpoint(path, "small", attention_chunk_size=chunk_size, max_position_embeddings=max_len)
     return path
@@ -104,9 +105,10 @@ def capacity(path: Path, hybrid: bool, budget_bytes: int, seq_tokens: int, num_s
                 longest, low = mid + 1, mid + 1
             except InvalidRequestError:
                 high = mid - 1
+        # Long enough lives that the batch is bounded by the cache, not by how fast prefills arrive.
         for i in range(num_seqs):
-            core.add_request(core.new_request(f"c{i}", [3 + (i + j) % 200 for j in range(seq_tokens - 8)],
-                                              greedy(8)))
+            core.add_request(core.new_request(f"c{i}", [3 + (i + j) % 200 for j in range(seq_tokens - 64)],
+                                              greedy(64)))
         most = 0
         while core.has_unfinished():
             core.step()
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunk_size < BLOCK or args.chunks < 1 or args.repeats < 1:
         parser.error(f"--chunk-size must be at least {BLOCK}, --chunks and --repeats at least 1")
     run_dir = Path(args.run_dir)
-    max_len = max(4096, args.chunk_size * (args.chunks + 1), args.seq_tokens * 2)
+    max_len = max(32768, args.chunk_size * (args.chunks + 1), args.seq_tokens * 2)
     path = checkpoint(run_dir, args.chunk_size, max_len)
     start = time.perf_counter()
     results = {"config": f"the 'small' preset, 6 layers (1 NoPE), chunk {args.chunk_size}, block {BLOCK}, float32",

@@ -12,7 +12,7 @@ from warpspec.benchmarks import kv_cache
 
 
 def test_bench_kv_cache_compares_the_hybrid_cache_with_the_full_one(tmp_path, capsys):
-    argv = ["--run-dir", str(tmp_path), "--chunk-size", "32", "--chunks", "3", "--seq-tokens", "96",
+    argv = ["--run-dir", str(tmp_path), "--chunk-size", "32", "--chunks", "3", "--seq-tokens", "128",
             "--budget-kib", "1024", "--repeats", "1", "--batches", "2", "--enforce-eager"]
     assert kv_cache.main(argv) == 0
     assert "| Maverick | 128k |" in capsys.readouterr().out
