@@ -23,6 +23,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from grafana_dashboard import DASHBOARD, dashboard_metrics
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema, gRPCOptionsSchema
 
 from warpspec.serving.serve_cli import free_local_port
@@ -351,3 +352,22 @@ def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
     assert report["health"] == "SERVING"
     assert report["num_generated"] >= 1
     assert report["models"] == ["tiny-maverick"]  # the checkpoint folder's name
+
+
+def test_the_grafana_dashboard_reads_only_metrics_that_are_exported():
+    """Every warpspec series a panel reads is one serving/metrics.py defines (Ray exports it with a ray_
+    prefix), and the replica count is Serve's own gauge; the live names are checked on Ray's endpoint
+    in tests/serving/test_metrics.py."""
+    source = (REPO / "cluster" / "serving" / "metrics.py").read_text()
+    names = re.findall(r'metrics\.(?:Gauge|Counter|Histogram)\(\s*"(warpspec_\w+)"', source)
+    defined = {f"ray_{name}" for name in names}
+    read = dashboard_metrics()
+    assert read - defined == {"ray_serve_deployment_replica_healthy"}
+    # The panels an operator asks for first: latency percentiles, throughput, queue, KV use, prefix hits,
+    # acceptance by position, replicas.
+    assert {"ray_warpspec_time_to_first_token_seconds", "ray_warpspec_time_per_output_token_seconds",
+            "ray_warpspec_generation_tokens_total", "ray_warpspec_num_waiting_requests",
+            "ray_warpspec_kv_cache_usage_ratio", "ray_warpspec_prefix_cache_hit_rate",
+            "ray_warpspec_spec_decode_accepted_tokens_total"} <= read
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert len({panel["id"] for panel in panels}) == len(panels) and all(panel["targets"] for panel in panels)

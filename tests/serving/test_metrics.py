@@ -6,6 +6,7 @@ import time
 import urllib.request
 
 import pytest
+from grafana_dashboard import dashboard_metrics
 
 from warpspec.cli.client import GenerationClient
 
@@ -31,6 +32,7 @@ def test_metrics_on_the_ray_metrics_endpoint(ray_cluster, serving_stack):
         except OSError:
             text = ""
         missing = [name for name in EXPECTED if f"ray_{name}" not in text]
+        missing += [name for name in dashboard_metrics() if name not in text]  # k8s/grafana-dashboard.json
         if missing:
             time.sleep(1)
     assert not missing, f"not on Ray's metrics endpoint: {missing}"
