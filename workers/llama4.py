@@ -274,6 +274,7 @@ class Llama4ForCausalLM(nn.Module):
         # The logits head's weight when it is stored apart from the head (store_head_columns_contiguous).
         self.head_columns: torch.Tensor | None = None
         self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        self.num_window_groups = 0  # a hybrid KV cache's chunked groups (bind_kv_cache)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepInput,
                 aux_layer_ids: tuple[int, ...] = (),
@@ -289,6 +290,10 @@ class Llama4ForCausalLM(nn.Module):
             attn_meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, block_size,
                                                step.max_query_len, step.max_seq_len, num_tokens=input_ids.shape[0])
         attn_metas = [attn_meta]
+        if self.num_window_groups and step.window_tables is None:
+            raise ValueError(f"this model's KV cache is hybrid ({self.num_window_groups} chunked KV groups), but the "
+                             "step carries no window tables: build it with each sequence's window_tables and the "
+                             "chunk size (StepInput.build)")
         if step.window_tables is not None:  # a hybrid KV cache: each chunked group over its window tables
             window_len = step.window_tables.shape[2] * block_size
             for group in range(step.window_tables.shape[1]):
@@ -334,6 +339,7 @@ class Llama4ForCausalLM(nn.Module):
         for layer_id, layer in enumerate(self.model.layers):
             group, tensor = layout.placement(layer_id) if layout is not None else (0, layer_id)
             layer.self_attn.kv_cache, layer.self_attn.kv_group = kv_caches[tensor], group
+        self.num_window_groups = layout.num_window_groups if layout is not None else 0
 
 
 def checkpoint_names(param_name: str) -> list[tuple[str, object]]:

@@ -17,6 +17,8 @@ EXPECTED = ["warpspec_time_to_first_token_seconds_bucket", "warpspec_time_per_ou
             "warpspec_num_waiting_requests", "warpspec_num_running_sequences", "warpspec_kv_cache_usage_ratio",
             "warpspec_prefix_cache_hit_rate", "warpspec_acceptance_length", "warpspec_constrained_acceptance_length",
             "warpspec_draft_time_share", "warpspec_recent_acceptance_length", "warpspec_low_acceptance"]
+DRAFT_ONLY = {"ray_warpspec_spec_decode_draft_tokens_total", "ray_warpspec_spec_decode_accepted_tokens_total",
+              "ray_warpspec_request_acceptance_length"}
 
 
 def test_metrics_on_the_ray_metrics_endpoint(ray_cluster, serving_stack):
@@ -32,7 +34,9 @@ def test_metrics_on_the_ray_metrics_endpoint(ray_cluster, serving_stack):
         except OSError:
             text = ""
         missing = [name for name in EXPECTED if f"ray_{name}" not in text]
-        missing += [name for name in dashboard_metrics() if name not in text]  # k8s/grafana-dashboard.json
+        # k8s/grafana-dashboard.json's series, but those recorded only with a draft (this stack has none;
+        # tests/k8s holds them to metrics.py's names).
+        missing += [name for name in dashboard_metrics() - DRAFT_ONLY if name not in text]
         if missing:
             time.sleep(1)
     assert not missing, f"not on Ray's metrics endpoint: {missing}"

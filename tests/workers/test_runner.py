@@ -10,7 +10,7 @@ from steps import build_step
 from hf_checkpoints import load_reference, make_text_checkpoint
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
-from warpspec.workers.step import SequenceStep
+from warpspec.workers.step import SequenceStep, StepInput
 
 BLOCK = 4
 
@@ -56,3 +56,10 @@ def test_aux_hidden_states_are_the_streams_entering_those_layers(checkpoint):
     assert len(out.aux_hidden) == 3
     for got, layer_id in zip(out.aux_hidden, (0, 2, 3), strict=True):
         torch.testing.assert_close(got, expected[layer_id][0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_without_window_tables_is_refused_by_a_hybrid_cache(checkpoint):
+    """Its chunked layers would write the full group's blocks in the tensor they share with it."""
+    runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=8))
+    with pytest.raises(ValueError, match="hybrid .*3 chunked KV groups.*no window tables"):
+        runner.execute(StepInput.build([SequenceStep([5, 6], 0, [0], 0)], BLOCK))
