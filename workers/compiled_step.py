@@ -14,7 +14,9 @@ Shapes that would otherwise recompile the step:
   two or more sequences and every context length of a query length;
 - torch specializes sizes of 1, so one sequence gets a graph of its own (padding it with a second
   sequence instead measured 2.27 ms against 1.79 ms for the bundled target's decode step);
-- block tables are widened to at least two blocks, for the same reason.
+- block tables are widened to at least two blocks, for the same reason;
+- the KV cache's block count is symbolic too: it follows the memory free at start-up, and graphs
+  specialized on it were built again by every start that found another amount.
 
 So a replica needs at most two graphs per (query length, captured layers). The engine builds them
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
@@ -29,7 +31,6 @@ each count would build it once per count.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
@@ -50,6 +51,7 @@ from warpspec.workers.torch_internals import (
     cached_graphs,
     compile_with_inductor,
     mark_dynamic,
+    marked_dynamic,
 )
 
 logger = logging.getLogger(__name__)
@@ -128,10 +130,13 @@ class CountingCompiler:
     checking only the distinguishing guards, since every graph of its code is its own."""
 
     def __init__(self, fn: Callable, artifacts: StepArtifacts | None = None,
-                 mark_dynamic: Callable[[tuple], None] | None = None):
+                 mark_dynamic: Callable[[tuple], None] | None = None,
+                 dynamic_state: tuple[tuple[torch.Tensor, int], ...] = ()):
         """artifacts: where graphs with a key are saved and loaded whole (step_artifacts.py); None
         compiles them through torch.compile in every process. mark_dynamic: marks a call's varying
-        sizes before each compile (a saved graph's guards refuse arguments marked again)."""
+        sizes before each compile (a saved graph's guards refuse arguments marked again).
+        dynamic_state: (tensor, dim) of tensors fn reads besides its arguments (a KV cache) whose
+        size at dim is symbolic in every graph: marked while a graph compiles, unmarked after."""
         self.num_compiles = 0
         self.num_loaded = 0  # graphs loaded from artifacts instead of compiled
         self.num_calls = 0
@@ -140,6 +145,7 @@ class CountingCompiler:
         self.code = getattr(self.fn, "__func__", self.fn).__code__
         self.artifacts = artifacts
         self.mark_dynamic = mark_dynamic or (lambda args: None)
+        self.dynamic_state = dynamic_state
         self.sealed = False
         self.direct_calls: dict[Hashable, Callable] = {}  # graph -> dynamo's code for it, called like fn
         self.whole_graphs: dict[Hashable, Callable] = {}  # graph -> its saved graph (artifacts), called like fn
@@ -175,7 +181,7 @@ class CountingCompiler:
             return direct(*args)
         self.mark_dynamic(args)
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if self.sealed \
-                else contextlib.nullcontext():
+                else marked_dynamic(self.dynamic_state):
             result = self.compiled(*args)
         if graph is not None and not self.sealed and graph not in self.direct_calls:
             self._keep_direct_call(graph, args)
@@ -195,7 +201,8 @@ class CountingCompiler:
         else:
             self.mark_dynamic(args)
             try:
-                compiled = self.artifacts.compile(func, bound, INDUCTOR_PATCHES, path)
+                with marked_dynamic(self.dynamic_state):
+                    compiled = self.artifacts.compile(func, bound, INDUCTOR_PATCHES, path)
             except Exception as error:  # noqa: BLE001 - torch.compile's own path still serves it
                 logger.info("%s's graph %r cannot be compiled whole (%s: %s); compiling it through "
                                "torch.compile in every start", func.__qualname__, graph, type(error).__name__,
@@ -263,7 +270,11 @@ class CompiledStepRunner:
     config: the query lengths and the longest context of the CUDA graphs; its batch sizes only choose
     the batch whose eager time picks a graph's thread count (thread_sample)."""
 
-    def __init__(self, model, config: CudaGraphConfig, block_size: int, kv_layout: KVGroupLayout | None = None):
+    def __init__(self, model, config: CudaGraphConfig, block_size: int, kv_layout: KVGroupLayout | None = None,
+                 kv_caches: list[torch.Tensor] = ()):
+        """kv_caches: the tensors model's attention writes ([2, blocks, ...]). Their block count is
+        symbolic in the graphs: it follows the memory a start finds free, and a graph specialized on
+        it was not loaded by the next start that found another amount (nor by another replica)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -273,7 +284,8 @@ class CompiledStepRunner:
         comm = getattr(model, "comm", None)
         where = f"rank {getattr(comm, 'rank', 0)} of {getattr(comm, 'world_size', 1)} {type(comm).__name__}"
         self.compiled = CountingCompiler(self._forward, StepArtifacts(f"{module_identity(model)} {block_size} {where}"),
-                                         mark_dynamic=step_marker(4))
+                                         mark_dynamic=step_marker(4),
+                                         dynamic_state=tuple((cache, 1) for cache in kv_caches))
         # (query length, one sequence) -> the thread count its graph runs fastest with (set_threads)
         self.thread_counts: dict[tuple[int, bool], int] = {}
 

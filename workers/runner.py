@@ -82,7 +82,7 @@ class ModelRunner:
                                                     max_blocks=-(-cuda_graphs.max_model_len // block_size),
                                                     block_size=block_size, device=self.device)
         elif use_compiled:
-            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size, self.kv_layout)
+            self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size, self.kv_layout, self.kv_caches)
         # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
         self.compiled_ranks_meet = use_compiled and self.model.comm.world_size > 1
 

@@ -16,6 +16,11 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
   torch has no public handle on a compiled graph's code; vLLM's compiled models read it the same way.
 - torch._dynamo.mark_dynamic: a size to keep symbolic in a graph compiled with dynamic=False. It is
   the documented way (torch.compile's dynamic-shapes guide), but torch.compiler does not export it.
+- unmarking a size (deleting the attributes torch._dynamo.mark_dynamic sets on a tensor,
+  DIM_MARKINGS): a tensor a step reads from its module, not from its arguments (the KV cache), keeps
+  a marking for life, and a saved graph's guards refuse a tensor still marked when it loads ("present
+  on runtime tensor but was absent at compile time"), even one marked the same way when it was built.
+  torch has no call that undoes mark_dynamic.
 - duck shaping off (torch.fx.experimental._config.use_duck_shape, the switch dynamo's own
   specialization message names): with it on, sizes equal at the first compile share one symbol, and
   a size a weight fixes fixes every size equal to it. torch.compile takes no option for it.
@@ -61,6 +66,26 @@ def mark_dynamic(tensor, dim: int) -> None:
     import torch._dynamo
 
     torch._dynamo.mark_dynamic(tensor, dim)
+
+
+# What torch._dynamo.mark_dynamic sets on a tensor (torch/_dynamo/decorators.py).
+DIM_MARKINGS = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_hint_overrides", "_specialize_on",
+                "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def marked_dynamic(sizes: tuple[tuple[object, int], ...]) -> Iterator[None]:
+    """Each (tensor, dim) in sizes marked dynamic inside, and unmarked after: for tensors a graph
+    reads besides its arguments, whose guards would otherwise refuse them at a later load."""
+    for tensor, dim in sizes:
+        mark_dynamic(tensor, dim)
+    try:
+        yield
+    finally:
+        for tensor, _ in sizes:
+            for name in DIM_MARKINGS:
+                if hasattr(tensor, name):
+                    delattr(tensor, name)
 
 
 @dataclass

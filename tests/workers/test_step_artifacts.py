@@ -12,6 +12,7 @@ import torch
 
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.step_artifacts import StepArtifacts, graphs_built, module_identity
+from warpspec.workers.torch_internals import DIM_MARKINGS
 
 
 class Scale(torch.nn.Module):
@@ -84,6 +85,37 @@ def test_a_graph_built_for_another_model_fails_its_guards_and_is_compiled_again(
     assert (compiled.num_compiles, compiled.num_loaded) == (1, 0)
     # The log names the guard (read through dynamo's private guard manager: this fails if it moves).
     assert "its guards fail" in caplog.text and "factor" in caplog.text and "reason unknown" not in caplog.text
+
+
+class Cached(torch.nn.Module):
+    """Reads rows of a cache that is an attribute, not an argument, as attention reads its KV cache."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.cache = torch.arange(rows * 4, dtype=torch.float32).reshape(rows, 4)
+
+    def step(self, index):
+        return self.cache[index] * 2
+
+
+@torch.inference_mode()
+def test_a_graph_built_for_one_cache_size_loads_for_another(tmp_path, caplog):
+    """The cache's row count (a KV cache's block count follows the memory free at start-up) stays
+    symbolic: a start that finds another amount loads the saved graph instead of building it again."""
+    def compiler(model: Cached) -> CountingCompiler:
+        return CountingCompiler(model.step, StepArtifacts("cached", tmp_path), dynamic_state=((model.cache, 0),))
+
+    index = torch.tensor([0, 2])
+    small = Cached(5)
+    torch.testing.assert_close(compiler(small)(index, graph="step"), small.step(index))
+    large = Cached(9)
+    compiled = compiler(large)
+    with caplog.at_level(logging.INFO, logger="warpspec.workers.step_artifacts"):
+        index = torch.tensor([8, 1])
+        torch.testing.assert_close(compiled(index, graph="step"), large.step(index))
+    assert (compiled.num_compiles, compiled.num_loaded) == (0, 1), caplog.text
+    # Unmarked: a later load would refuse a marked one.
+    assert not (set(vars(small.cache)) | set(vars(large.cache))) & set(DIM_MARKINGS)
 
 
 def test_models_of_other_shapes_have_other_identities():

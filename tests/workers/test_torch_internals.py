@@ -14,6 +14,7 @@ from warpspec.workers.torch_internals import (
     fx_graph_cache_counts,
     inductor_default_cache_dir,
     mark_dynamic,
+    marked_dynamic,
     without_duck_shapes,
 )
 
@@ -69,6 +70,19 @@ def test_a_size_marked_dynamic_serves_every_length_from_one_graph():
         mark_dynamic(x, 0)
         assert torch.equal(compiled(x), affine(x))
     assert len(built) == 1, f"{len(built)} graphs for 2 lengths: mark_dynamic no longer keeps the size symbolic"
+
+
+def test_a_size_marked_for_a_while_leaves_no_marking_behind():
+    # Every attribute mark_dynamic sets is one marked_dynamic removes: a new one would stay on a KV
+    # cache and make the guards of every saved step graph refuse it.
+    plain, marked = torch.zeros(3, 4), torch.zeros(3, 4)
+    mark_dynamic(marked, 0)
+    added = set(vars(marked)) - set(vars(plain))
+    assert added and added <= set(torch_internals.DIM_MARKINGS), added - set(torch_internals.DIM_MARKINGS)
+    cache = torch.zeros(3, 4)
+    with marked_dynamic(((cache, 0),)):
+        assert set(vars(cache)) == added
+    assert not vars(cache)
 
 
 def _symbols_of_a_pair(duck: bool) -> set[str]:
