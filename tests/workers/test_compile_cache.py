@@ -25,6 +25,13 @@ from warpspec.workers.compile_cache import (
 from warpspec.workers.torch_internals import compile_with_inductor, fx_graph_cache_counts, inductor_default_cache_dir
 
 
+@pytest.fixture(autouse=True)
+def the_sessions_folder_afterwards(monkeypatch):
+    """These tests point inductor at folders of their own (open_compile_cache sets the variable);
+    the tests after them compile into the session's folder again (tests/conftest.py)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def scale_and_shift(x):
     return x * 3 - 1
 
