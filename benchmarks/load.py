@@ -12,6 +12,10 @@ rounds: as many Ray actors and placement groups as right after deployment (no or
 Determinism: greedy outputs of fixed prompts are identical alone and amid the load, without and with
 speculation (the bundled pair). TTFT / TPOT percentiles of the completed requests.
 
+Priorities (--priorities 0,1,2): a deployment whose batch is small (--priority-max-num-seqs) so that
+requests queue, and two rounds of the same requests on it: every priority equal, then each request
+in a class drawn from the list. TTFT p50 / p99 and the worst TTFT per class, side by side.
+
 Writes runs/bench/load.json and load.md.
 """
 
@@ -61,6 +65,7 @@ class Result:
     ttft_s: float | None = None
     tpot_s: float | None = None
     detail: str = ""
+    request_id: str = ""
 
 
 @dataclass
@@ -74,8 +79,10 @@ class Round:
         return [r for r in self.results if not r.ok]
 
 
-def make_requests(spec: LoadSpec, seed: int) -> list[tuple[str, pb.GenerateRequest, int]]:
-    """(kind, request, cancel_after) for one round; the same seed gives the same round."""
+def make_requests(spec: LoadSpec, seed: int, priorities: list[int] | None = None
+                  ) -> list[tuple[str, pb.GenerateRequest, int]]:
+    """(kind, request, cancel_after) for one round; the same seed gives the same round. priorities:
+    the i-th request's priority (unset without)."""
     rng = random.Random(seed)
     kinds = rng.choices(list(MIX), weights=list(MIX.values()), k=spec.num_requests)
     requests = []
@@ -87,6 +94,8 @@ def make_requests(spec: LoadSpec, seed: int) -> list[tuple[str, pb.GenerateReque
             params["max_tokens"], cancel_after = spec.max_new_tokens * 4, rng.randint(1, 4)
         elif kind == "bad":
             params.update(BAD_PARAMS[i % len(BAD_PARAMS)][0])
+        if priorities is not None:
+            params["priority"] = priorities[i]
         request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=pb.SamplingParams(**params),
                                      request_id=f"load-{seed}-{i}")
         requests.append((kind, request, cancel_after))
@@ -122,18 +131,19 @@ async def _one(stub, kind: str, request: pb.GenerateRequest, cancel_after: int, 
         ok = status == "INVALID_ARGUMENT" and fragment in detail
     else:
         ok = status == expected
-    result = Result(kind, expected, ok, status, count, detail=detail[:200])
+    result = Result(kind, expected, ok, status, count, detail=detail[:200], request_id=request.request_id)
     if kind == "complete" and first is not None:
         result.ttft_s, result.tpot_s = first - sent, (end - first) / max(1, count - 1)
     return result
 
 
-async def run_round(target: str, spec: LoadSpec, seed: int, metadata=(), extra=None) -> Round:
+async def run_round(target: str, spec: LoadSpec, seed: int, metadata=(), extra=None,
+                    priorities: list[int] | None = None) -> Round:
     """One round of the load from spec.num_clients concurrent clients. extra: a coroutine run
     alongside (the determinism prompts), awaited before returning."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        queue = make_requests(spec, seed)
+        queue = make_requests(spec, seed, priorities)
         queue.reverse()
         results: list[Result] = []
 
@@ -174,6 +184,37 @@ def latency_row(name: str, rounds: list[Round]) -> dict:
     return {"name": name, "num_completed": len(done), "tokens_per_s": tokens / sum(r.wall_s for r in rounds),
             "ttft_ms_p50": percentile(ttft, 0.5), "ttft_ms_p99": percentile(ttft, 0.99),
             "tpot_ms_p50": percentile(tpot, 0.5), "tpot_ms_p99": percentile(tpot, 0.99)}
+
+
+def priority_classes(spec: LoadSpec, seed: int, choices: list[int]) -> list[int]:
+    """The class of each request of a round, drawn apart from the requests themselves."""
+    rng = random.Random(f"priorities-{seed}")
+    return [rng.choice(choices) for _ in range(spec.num_requests)]
+
+
+def priority_rows(equal: Round, mixed: Round, classes: list[int]) -> list[dict]:
+    """TTFT per class: the same requests with every priority equal, then in their classes."""
+    rows = []
+    for cls in sorted(set(classes)):
+        row = {"priority": cls}
+        for name, rnd in (("equal", equal), ("mixed", mixed)):
+            ttft = [r.ttft_s * 1e3 for r in rnd.results
+                    if r.ttft_s is not None and classes[int(r.request_id.rsplit("-", 1)[1])] == cls]
+            row |= {f"{name}_completed": len(ttft), f"{name}_ttft_ms_p50": percentile(ttft, 0.5),
+                    f"{name}_ttft_ms_p99": percentile(ttft, 0.99),
+                    f"{name}_ttft_ms_max": max(ttft, default=float("nan"))}
+        rows.append(row)
+    return rows
+
+
+def priority_table(rows: list[dict]) -> str:
+    lines = ["| priority | requests | TTFT p50 equal / mixed (ms) | TTFT p99 equal / mixed (ms) | worst TTFT equal / "
+             "mixed (ms) |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['priority']} | {r['mixed_completed']} | {r['equal_ttft_ms_p50']:.0f} / "
+                     f"{r['mixed_ttft_ms_p50']:.0f} | {r['equal_ttft_ms_p99']:.0f} / {r['mixed_ttft_ms_p99']:.0f} | "
+                     f"{r['equal_ttft_ms_max']:.0f} / {r['mixed_ttft_ms_max']:.0f} |")
+    return "\n".join(lines)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -287,6 +328,32 @@ def run_deployment(name: str, target: str, model: str, engine_args: dict, args: 
             "round_wall_s": [r.wall_s for r in rounds]}
 
 
+def run_priorities(target: str, model: str, engine_args: dict, args: argparse.Namespace) -> dict:
+    """The same round twice on one deployment, every priority equal and then in classes; the report part."""
+    from ray import serve
+
+    name = "load-priority"
+    handle = deploy(name, model, engine_args, args.stream_interval)
+    metadata = [("application", name)]
+    spec = LoadSpec(args.clients, args.requests, args.max_new_tokens,
+                    json.loads(Path(model, "config.json").read_text())["vocab_size"], args.seed)
+    classes = priority_classes(spec, args.seed, [int(p) for p in args.priorities.split(",")])
+    rounds = []
+    for label, priorities in (("every priority equal", None), ("priorities mixed", classes)):
+        rnd = asyncio.run(run_round(target, spec, args.seed, metadata, priorities=priorities))
+        rnd.stats_after = wait_idle(handle)
+        rounds.append(rnd)
+        print(f"{name}, {label}: {len(rnd.results)} requests in {rnd.wall_s:.1f} s, {len(rnd.failures)} unexpected",
+              flush=True)
+    serve.delete(name)
+    return {"name": name, "engine_args": engine_args, "classes": sorted(set(classes)),
+            "num_unexpected": sum(len(rnd.failures) for rnd in rounds),
+            "unexpected": [asdict(r) for rnd in rounds for r in rnd.failures][:20],
+            "kv_free_after_each_round": [(r.stats_after["num_free_kv_blocks"], r.stats_after["num_kv_blocks"])
+                                         for r in rounds],
+            "rows": priority_rows(rounds[0], rounds[1], classes), "round_wall_s": [r.wall_s for r in rounds]}
+
+
 async def _round_with_extra(target, spec, seed, metadata, extra):
     if extra is None:
         return await run_round(target, spec, seed, metadata)
@@ -320,6 +387,15 @@ def verdict(part: dict) -> list[str]:
     return problems
 
 
+def verdict_of_priorities(part: dict) -> list[str]:
+    problems = []
+    if part["num_unexpected"]:
+        problems.append(f"{part['num_unexpected']} requests did not get their tokens or expected status")
+    if any(free != total for free, total in part["kv_free_after_each_round"]):
+        problems.append(f"KV blocks leaked: {part['kv_free_after_each_round']}")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 
@@ -337,7 +413,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--priorities", default=None,
+                        help="comma-separated priority classes, e.g. 0,1,2: add the priority comparison")
+    parser.add_argument("--priority-max-num-seqs", type=int, default=8,
+                        help="max_num_seqs of the priority deployment (small, so that requests queue)")
     args = parser.parse_args(argv)
+    if args.priorities is not None:
+        try:
+            [int(p) for p in args.priorities.split(",")]
+        except ValueError:
+            parser.error(f"--priorities must be comma-separated integers, got {args.priorities!r}")
 
     import ray
 
@@ -357,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                    "num_kv_blocks": args.num_kv_blocks,
                    "max_waiting_requests": 4096}
     prompts = held_out_prompts()[:6]
-    parts = []
+    parts, priority_part = [], None
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=free_local_port()),
                     grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
@@ -367,14 +452,19 @@ def main(argv: list[str] | None = None) -> int:
             spec_args = {**engine_args, "draft": args.draft}
             parts.append(run_deployment("load-eagle3", target, args.model, spec_args, args, prompts,
                                         args.spec_rounds))
+        if args.priorities is not None:
+            priority_part = run_priorities(target, args.model,
+                                           {**engine_args, "max_num_seqs": args.priority_max_num_seqs}, args)
     finally:
         serve.shutdown()
         ray.shutdown()
     wall = time.perf_counter() - start
 
     problems = {p["name"]: verdict(p) for p in parts}
+    if priority_part is not None:
+        problems[priority_part["name"]] = verdict_of_priorities(priority_part)
     report = {"clients": args.clients, "requests_per_round": args.requests, "mix": MIX, "wall_s": wall,
-              "parts": parts, "problems": problems}
+              "parts": parts, "priorities": priority_part, "problems": problems}
     out_dir = Path(args.run_dir, "bench")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "load.json").write_text(json.dumps(report, indent=2))
@@ -387,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"RSS {', '.join(f'{m:.0f}' for m in p['rss_mib'])} MiB (last round "
                      f"{100 * p['rss_growth_last_round']:+.1f}%), greedy identical alone vs amid load: "
                      f"{p['deterministic']}")
+    if priority_part is not None:
+        lines += ["", f"Priorities: max_num_seqs {args.priority_max_num_seqs}, the same {args.requests} requests "
+                  f"with every priority equal, then in classes {priority_part['classes']} (lower first); completed "
+                  "requests only", "", priority_table(priority_part["rows"])]
     failed = [f"{name}: {'; '.join(ps)}" for name, ps in problems.items() if ps]
     lines.append("\nall checks passed" if not failed else "\nFAILED: " + " | ".join(failed))
     text = "\n".join(lines) + "\n"

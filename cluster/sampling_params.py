@@ -122,6 +122,10 @@ class SamplingParams:
     # Speculative decoding for this request: None lets the engine choose each step's draft length
     # (speculative_policy), False never drafts for it, True asks for it (refused where no draft is loaded).
     speculation: bool | None = None
+    # Scheduling order: a lower number is served first and, when the batch or the KV cache is full,
+    # preempts a running request of a higher number. Requests wait in order of priority, aged by
+    # SchedulerConfig.priority_aging_steps, then of arrival. It never changes a request's tokens.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -164,6 +168,7 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}")
         if self.speculation is not None and not isinstance(self.speculation, bool):
             raise InvalidRequestError(f"speculation must be true, false or null, got {self.speculation!r:.80}")
+        _require_int("priority", self.priority, minimum=-(2**31), maximum=2**31 - 1)
         if self.seed is not None:
             _require_int("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -19,9 +19,12 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Requests queued but not yet running, beyond which new submissions are refused (AsyncLLM).
     max_waiting_requests: int = 1024
+    # Aging of request priorities: a request is served before every request of a priority one better
+    # (one lower) that arrives this many engine steps after it (core/scheduler.py).
+    priority_aging_steps: int = 1000
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "priority_aging_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -81,6 +81,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  SchedulerConfig.enable_prefix_caching, "reuse the KV of prompt blocks seen before"),
     EngineOption("max_waiting_requests", "scheduler.max_waiting_requests", int, SchedulerConfig.max_waiting_requests,
                  "queued requests beyond which new ones are refused"),
+    EngineOption("priority_aging_steps", "scheduler.priority_aging_steps", int, SchedulerConfig.priority_aging_steps,
+                 "a request goes before requests of a priority one better that arrive this many steps after it"),
     # Parallel layout.
     EngineOption("num_workers", "parallel.num_workers", int, ParallelConfig.num_workers,
                  "ranks the model is sharded over, one GPU (or CPU process) each"),

@@ -3,10 +3,21 @@
 Pure CPU bookkeeping over Sequences and the BlockManager, returning a plain SchedulerOutput that the
 engine turns into a model step. Every step fills a token budget: running sequences first (a decode
 is 1 token, plus its draft tokens when speculating; an unfinished prefill continues with its next
-chunk), then waiting ones, each prefilling as much as the budget leaves (chunked prefill). When KV
-blocks run out, the most recently arrived running sequence is preempted: its blocks are freed and it
-returns to the front of the queue, to recompute its prompt and outputs later (whatever the prefix
-cache still holds is not recomputed).
+chunk), then waiting ones, each prefilling as much as the budget leaves (chunked prefill).
+
+Order. Sequences are served by rank, lower first: priority * priority_aging_steps + the step at which
+the sequence arrived, then arrival order. With every priority equal (the default, 0) that is
+first come, first served. With priorities, a request goes before every request of a priority one
+better (one lower) that arrives priority_aging_steps steps or more after it, and before all of its own
+priority that arrive after it: aging bounds how long a stream of better requests can starve it. A
+rank never changes, so a preempted sequence keeps its place ahead of later arrivals. Both queues
+stay sorted by rank.
+
+Preemption. When KV blocks run out for a running sequence, the running sequence of the worst rank is
+preempted: its blocks are freed and it returns to the queue in its place, to recompute its prompt
+and outputs later (whatever the prefix cache still holds is not recomputed). When the batch is full
+(max_num_seqs) or the first waiting sequence's first chunk does not fit in the free blocks, and it
+outranks the worst running sequence, that one is preempted to make room for it.
 
 A sequence's drafts run all together or not at all, and survive a preemption: the step that reaches
 its last known token verifies every draft it has. Its steps, and so its seeded tokens, are then the
@@ -15,7 +26,7 @@ same however full the batch or the cache is.
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from warpspec.config.engine import SchedulerConfig
@@ -51,12 +62,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # by rank
+        self.running: list[Sequence] = []  # by rank
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of them, those that made room for a better-ranked request
+        self.num_steps = 0  # steps scheduled so far: the clock of priority aging
+        self.num_arrivals = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.rank = (seq.params.priority * self.config.priority_aging_steps + self.num_steps, self.num_arrivals)
+        self.num_arrivals += 1
+        bisect.insort(self.waiting, seq, key=_rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -73,6 +89,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        self._make_room_for_better_ranks(preempted)
+        num_made_room = len(preempted)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -82,8 +100,7 @@ class Scheduler:
                 index += 1
                 continue
             while not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
-                victim = self.running.pop()  # the most recently arrived
-                self._preempt(victim)
+                victim = self._preempt_worst()
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -93,17 +110,19 @@ class Scheduler:
                 index += 1
 
         # New sequences wait while the running ones are short of blocks.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and len(preempted) == num_made_room and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if any(seq is victim for victim in preempted):  # not recomputed in the step it was preempted
+                break
             self._match_prefix(seq)
             num_new = self._num_new_tokens(seq, budget)
             if num_new == 0 or not self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new):
                 # A waiting sequence holds no blocks, or two of them could each hold what the other needs.
-                self.block_manager.free(seq.request_id)
-                seq.num_cached = 0
+                self._unmatch(seq)
                 break
-            self.waiting.popleft()
-            self.running.append(seq)
+            del self.waiting[0]
+            bisect.insort(self.running, seq, key=_rank)
             if seq.num_cached_prompt_tokens is None:  # first admission, not a recompute after preemption
                 seq.num_cached_prompt_tokens = seq.num_cached
                 self.block_manager.stats.queried_tokens += len(seq.prompt_token_ids)
@@ -111,7 +130,24 @@ class Scheduler:
             scheduled.append(self._schedule(seq, num_new))
             budget -= num_new
 
+        if scheduled:
+            self.num_steps += 1
         return SchedulerOutput(scheduled, preempted, self.config.max_num_batched_tokens - budget)
+
+    def _make_room_for_better_ranks(self, preempted: list[Sequence]) -> None:
+        """Preempt the worst-ranked running sequences while the first waiting one outranks them and
+        cannot start otherwise: the batch is full, or its first chunk does not fit in the free blocks."""
+        while self.waiting and self.running and _rank(self.waiting[0]) < _rank(self.running[-1]):
+            seq = self.waiting[0]
+            if len(self.running) < self.config.max_num_seqs:
+                self._match_prefix(seq)
+                num_new = self._num_new_tokens(seq, self.config.max_num_batched_tokens)
+                fits = num_new > 0 and self.block_manager.can_allocate(seq.request_id, seq.num_cached + num_new)
+                self._unmatch(seq)
+                if fits:
+                    return
+            preempted.append(self._preempt_worst())
+            self.num_priority_preemptions += 1
 
     def update_after_step(self, output: SchedulerOutput, num_rejected: dict[str, int]) -> None:
         """The step ran: its tokens are in the KV cache now, except rejected drafts, whose entries are
@@ -149,8 +185,20 @@ class Scheduler:
             return
         seq.num_cached = self.block_manager.match_prefix(seq.request_id, seq.all_token_ids)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _unmatch(self, seq: Sequence) -> None:
+        """Give back the cached blocks _match_prefix gave a sequence that does not start now."""
+        self.block_manager.free(seq.request_id)
+        seq.num_cached = 0
+
+    def _preempt_worst(self) -> Sequence:
+        """Send the running sequence of the worst rank back to the queue, in its place."""
+        seq = self.running.pop()
         self.block_manager.free(seq.request_id)
         seq.num_cached = 0  # its drafts stay: they are verified once it is recomputed
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_rank)
         self.num_preemptions += 1
+        return seq
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return seq.rank

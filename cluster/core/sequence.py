@@ -30,6 +30,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the KV cache
     num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache supplied at admission
+    # Its place in the scheduler's order (lower first): priority and arrival, set when it is queued.
+    rank: tuple[int, int] = (0, 0)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     new_logprobs: list[PositionLogprobs] | None = None  # of the output tokens not yet handed out

@@ -81,7 +81,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         lists each with its default): dtype, max_model_len, quantization, device ("auto": cuda when
         the Ray cluster has GPUs), deterministic, the KV cache (kv_cache_memory_gib per worker or
         num_kv_blocks, block_size, hybrid_kv_cache), the scheduler (max_num_seqs, max_num_batched_tokens,
-        enable_prefix_caching, max_waiting_requests: beyond it RESOURCE_EXHAUSTED / 429), the
+        enable_prefix_caching, max_waiting_requests: beyond it RESOURCE_EXHAUSTED / 429,
+        priority_aging_steps), the
         parallel layout (num_workers, one GPU each; executor; dispatch; core_reply_interval_ms;
         comm_backend; moe_parallel;
         placement_timeout_s: how long a new replica's gang may wait for a node; placement_strategy is

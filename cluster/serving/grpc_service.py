@@ -13,15 +13,18 @@ from collections.abc import AsyncIterator
 
 from grpc_health.v1 import health_pb2
 
-from warpspec.errors import NotFoundError
+from warpspec.errors import EngineError, NotFoundError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.auth import ApiKeyAuth
 from warpspec.serving.limits import RequestLimits
 from warpspec.serving.replica_frontend import ReplicaFrontend
 from warpspec.serving.request_mapping import reject_unknown_fields, request_from_proto, response_from_output
 
-# The names a health client may ask about: "" (the whole server) and the generation service.
-HEALTH_SERVICE_NAMES = ("", pb.DESCRIPTOR.services_by_name["Generation"].full_name)
+# The names a health client may ask about: "" (the whole server) and the generation service answer
+# readiness; "liveness" answers whether the replica is alive (Kubernetes' livenessProbe names it).
+READINESS_SERVICE_NAMES = ("", pb.DESCRIPTOR.services_by_name["Generation"].full_name)
+LIVENESS_SERVICE_NAME = "liveness"
+HEALTH_SERVICE_NAMES = (*READINESS_SERVICE_NAMES, LIVENESS_SERVICE_NAME)
 
 
 class GenerationService:
@@ -67,12 +70,17 @@ class GenerationService:
                             vocab_size=d.vocab_size, dtype=d.dtype)
 
     def health_check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:
-        """SERVING once the model is loaded (a replica only takes traffic after its constructor, which
-        loads it), NOT_SERVING after a fatal engine failure; NOT_FOUND for a service name not served
-        here, as the standard servicer answers."""
+        """Readiness for "" and the generation service: SERVING once the model is loaded and warmed up
+        (a replica only takes traffic after its constructor, which does both), NOT_SERVING while its
+        engine is failed, stuck or rebuilding, or the replica drains. Liveness for "liveness":
+        NOT_SERVING only when the replica cannot recover by itself (ReplicaFrontend.check_alive).
+        NOT_FOUND for a service name not served here, as the standard servicer answers."""
         if request.service not in HEALTH_SERVICE_NAMES:
             raise NotFoundError(f"service {request.service!r} is not served here; "
                                       f"known: {', '.join(repr(n) for n in HEALTH_SERVICE_NAMES)}")
-        status = health_pb2.HealthCheckResponse.SERVING if self.frontend.failure is None \
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+        check = self.frontend.check_alive if request.service == LIVENESS_SERVICE_NAME else self.frontend.check_health
+        try:
+            check()
+        except EngineError:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)

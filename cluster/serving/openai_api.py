@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP API of one replica, as a FastAPI app over a ReplicaFrontend.
 
     POST /v1/completions        POST /v1/chat/completions      (stream: server-sent events)
-    GET  /v1/models             GET  /v1/models/{id}           GET /health
+    GET  /v1/models             GET  /v1/models/{id}           GET /health (liveness)   GET /ready
     GET  /admin/stats (KV blocks, queue)
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with 400 for bad
 input (invalid JSON included), 401 for a missing or wrong API key (when the deployment has one; only
-/health is open then), 404 for an unknown model or route, 405 for a wrong method, 413 for a body
+/health and /ready are open then), 404 for an unknown model or route, 405 for a wrong method, 413 for a body
 over max_request_bytes, 429 when the replica's queue is full, 503 when it cannot serve. A client
 that disconnects mid-stream aborts its request (Serve cancels the replica's handler, which closes the
 engine stream and frees the KV blocks).
@@ -221,8 +221,16 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
     @app.get("/health")
     @answered(authorized=False)
     async def health():
-        frontend.check_health()
+        """Liveness: 503 only when the replica cannot recover by itself."""
+        frontend.check_alive()
         return {"status": "ok"}
+
+    @app.get("/ready")
+    @answered(authorized=False)
+    async def ready():
+        """Readiness: 503 while the replica cannot serve at once (failed, stuck, rebuilding, draining)."""
+        frontend.check_health()
+        return {"status": "ready"}
 
     @app.get("/admin/stats")
     @answered()

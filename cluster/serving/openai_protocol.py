@@ -2,8 +2,8 @@
 and stream-chunk objects of /v1/completions and /v1/chat/completions.
 
 Fields follow the OpenAI API, plus vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos,
-stop_token_ids, skip_special_tokens, prompt_logprobs) and warpspec's speculation (false: no drafts for
-this request). Structured outputs come as OpenAI's response_format (json_object, or json_schema), or
+stop_token_ids, skip_special_tokens, prompt_logprobs, priority) and warpspec's speculation (false: no
+drafts for this request). Structured outputs come as OpenAI's response_format (json_object, or json_schema), or
 as vLLM's structured_outputs object (json, regex, choice, grammar) or its older guided_json /
 guided_regex / guided_choice / guided_grammar fields; one of these per request. Chat takes tools,
 tool_choice and parallel_tool_calls (tool_request.py checks them and makes the grammar of a required
@@ -39,7 +39,8 @@ _SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "t
                     "min_p": "min_p", "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
                     "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
-                    "skip_special_tokens": "skip_special_tokens", "speculation": "speculation"}
+                    "skip_special_tokens": "skip_special_tokens", "speculation": "speculation",
+                    "priority": "priority"}
 # Accepted and without effect here (each only at the value that means "nothing special").
 _INERT_FIELDS = {"model", "stream", "stream_options", "user", "n", "best_of", "logit_bias", "suffix",
                  "service_tier", "store", "metadata"}

@@ -174,12 +174,21 @@ class ReplicaFrontend:
         return ReplicaStats.of(self.llm.stats(), self.llm.num_in_flight, self.num_aborted, self.failure is None)
 
     def check_health(self) -> None:
-        """Raises when the replica cannot serve (Serve's health check, the gRPC health service)."""
+        """Readiness: raises when the replica cannot serve now (Serve's health check, the gRPC health
+        service, HTTP /ready): it is shutting down, its engine failed or is stuck, or it is rebuilding."""
         if self.is_draining:
             raise ReplicaDrainingError("this replica is shutting down; retry on another")
         if self.failure is not None:
             doing = " (rebuilding its workers)" if self.rebuild_task is not None else ""
             raise EngineError(f"this replica cannot serve{doing}: {self.failure}")
+
+    def check_alive(self) -> None:
+        """Liveness (HTTP /health, gRPC health service "liveness"): raises only when the replica cannot
+        recover by itself, its engine failed and no rebuild is under way (rebuild_on_failure off, or
+        the rebuild failed). A replica that is rebuilding or draining is alive: restarting its pod would
+        only lose the work under way."""
+        if self.failure is not None and self.rebuild_task is None:
+            raise EngineError(f"this replica is down and not rebuilding: {self.failure}")
 
     def check_progress(self) -> None:
         """Called every second: a core that delivered no step for stall_timeout_s while requests are in

@@ -16,7 +16,7 @@ from warpspec.serving.limits import RequestLimits
 # proto field -> SamplingParams field, for the `optional` scalars copied only when set.
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "skip_special_tokens",
-                    "speculation")
+                    "speculation", "priority")
 # float fields travel as 32-bit floats: 0.9 arrives as 0.8999999761581421. Round back to what the
 # client most likely wrote, so that limits like top_p <= 1 and penalties in [-2, 2] behave exactly.
 _FLOAT_PARAMS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}

@@ -27,6 +27,7 @@ SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "devi
           "block_size": 32, "num_kv_blocks": 9, "kv_cache_memory_gib": 2.5, "hybrid_kv_cache": False,
           "max_num_seqs": 5,
           "max_num_batched_tokens": 99, "enable_prefix_caching": False, "max_waiting_requests": 11,
+          "priority_aging_steps": 13,
           "num_workers": 3, "executor": "ray", "dispatch": "actor", "placement_strategy": "SPREAD",
           "placement_timeout_s": 4.5, "core_reply_interval_ms": 0.0, "comm_backend": "gloo",
           "moe_parallel": "expert", "draft": "d", "num_speculative_tokens": 5, "aux_layer_offset": 1,

@@ -3,6 +3,7 @@ random steps, mixed lengths, chunked prefill, preemption forced by a tiny KV cac
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -32,12 +33,17 @@ def _requests(seed: int = 0):
     return requests
 
 
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "full"])
-def test_random_arrivals_match_solo_runs(checkpoint, hybrid):
-    """The solo runs keep the default (hybrid) cache: the crowd on a full cache must match it too."""
-    requests = _requests()
+@pytest.fixture(scope="module")
+def solo_tokens(checkpoint) -> dict[str, list[int]]:
+    """Each of _requests() run alone, on the default (hybrid) cache."""
     with LLM(str(checkpoint), dtype="float32", enable_prefix_caching=False) as solo:
-        expected = {rid: solo.generate([prompt], params)[0].token_ids for rid, prompt, params, _ in requests}
+        return {rid: solo.generate([prompt], params)[0].token_ids for rid, prompt, params, _ in _requests()}
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "full"])
+def test_random_arrivals_match_solo_runs(checkpoint, solo_tokens, hybrid):
+    """The solo runs keep the default (hybrid) cache: the crowd on a full cache must match it too."""
+    requests, expected = _requests(), solo_tokens
     # 20 blocks of 4 tokens hold ~80 tokens: far less than the requests need at once. (A hybrid cache
     # holds 4 x 20 blocks of one layer in that memory: 1 full and 3 chunked groups.)
     with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=20,
@@ -53,6 +59,22 @@ def test_random_arrivals_match_solo_runs(checkpoint, hybrid):
     for rid, _, params, _ in requests:
         assert got[rid].token_ids == expected[rid], rid
         assert got[rid].finish_reason == "length" and len(got[rid].token_ids) == params.max_tokens
+
+
+def test_mixed_priorities_reorder_and_preempt_but_change_no_token(checkpoint, solo_tokens):
+    """Priorities -1, 0 and 1 in a crowd that a small batch and a tiny cache keep full: better ones
+    preempt worse ones, and greedy and seeded requests still get their solo tokens."""
+    requests = [(rid, prompt, dataclasses.replace(params, priority=i % 3 - 1), step)
+                for i, (rid, prompt, params, step) in enumerate(_requests())]
+    with LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=20, max_num_batched_tokens=16,
+             max_num_seqs=3, priority_aging_steps=50) as llm:
+        engine = llm.engine
+        got = run_staggered(engine, requests)
+        assert engine.scheduler.num_priority_preemptions > 0
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # no leaks
+    for rid, _, params, _ in requests:
+        assert got[rid].token_ids == solo_tokens[rid], rid
+        assert len(got[rid].token_ids) == params.max_tokens
 
 
 def test_prompt_logprobs_survive_chunking_and_preemption(checkpoint):

@@ -11,8 +11,9 @@ from warpspec.core.sequence import Sequence
 from warpspec.sampling_params import SamplingParams
 
 
-def _seq(request_id: str, prompt: list[int], prompt_logprobs: int | None = None) -> Sequence:
-    return Sequence(request_id, None, prompt, SamplingParams(prompt_logprobs=prompt_logprobs), torch.Generator())
+def _seq(request_id: str, prompt: list[int], prompt_logprobs: int | None = None, priority: int = 0) -> Sequence:
+    return Sequence(request_id, None, prompt, SamplingParams(prompt_logprobs=prompt_logprobs, priority=priority),
+                    torch.Generator())
 
 
 def _run(scheduler: Scheduler):
@@ -126,3 +127,64 @@ def test_eviction_takes_the_least_recently_freed_cached_block():
     manager.match_prefix("x", [9])
     manager.allocate("x", 6)  # three blocks from the front of the free queue: old tail, old head, new tail
     assert (0, old_hash) not in manager.cached and (0, new_hash) in manager.cached
+
+
+def _ids(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def test_a_better_priority_takes_the_place_of_the_worst_running_one_when_the_batch_is_full():
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2), BlockManager(64, 4, enable_prefix_caching=False))
+    low1, low2, low3, high = (_seq(name, [i, i + 1, i + 2], priority=p)
+                              for i, (name, p) in enumerate([("low1", 1), ("low2", 1), ("low3", 1), ("high", 0)]))
+    scheduler.add(low1)
+    scheduler.add(low2)
+    _run(scheduler)
+    scheduler.add(high)
+    scheduler.add(low3)
+    out = _run(scheduler)
+    # low2 arrived last of the running ones: it makes room, and it waits ahead of low3, which came later.
+    assert _ids(out.preempted) == ["low2"] and scheduler.num_priority_preemptions == 1
+    assert [(i.seq.request_id, len(i.token_ids)) for i in out.scheduled] == [("low1", 1), ("high", 3)]
+    assert _ids(scheduler.running) == ["high", "low1"] and _ids(scheduler.waiting) == ["low2", "low3"]
+    assert low2.num_cached == 0 and scheduler.block_manager.num_free_blocks == 64 - 2
+    scheduler.remove(high)
+    out = _run(scheduler)
+    assert [(i.seq.request_id, len(i.token_ids)) for i in out.scheduled] == [("low1", 1), ("low2", 4)]
+    assert not out.preempted and _ids(scheduler.waiting) == ["low3"]
+
+
+def test_a_better_priority_whose_prompt_does_not_fit_preempts_until_it_does():
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(), manager)
+    a, b = _seq("a", list(range(1, 13)), priority=5), _seq("b", list(range(21, 33)), priority=5)
+    scheduler.add(a)
+    scheduler.add(b)
+    _run(scheduler)  # 3 blocks each
+    assert manager.num_free_blocks == 2
+    urgent = _seq("urgent", list(range(41, 53)), priority=-5)  # 12 tokens: 3 blocks
+    scheduler.add(urgent)
+    out = _run(scheduler)
+    assert _ids(out.preempted) == ["b"]
+    assert [i.seq.request_id for i in out.scheduled] == ["a", "urgent"]
+    assert _ids(scheduler.waiting) == ["b"]
+    # An equal or worse priority never preempts: it waits for blocks as before.
+    same = _seq("same", list(range(61, 73)), priority=5)
+    scheduler.add(same)
+    out = _run(scheduler)
+    assert not out.preempted and _ids(scheduler.waiting) == ["b", "same"]
+
+
+def test_aging_serves_an_old_request_before_better_ones_that_arrive_long_enough_after_it():
+    """priority_aging_steps 2: priority 1 arriving at step s goes before priority 0 arriving at s + 2."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, priority_aging_steps=2), BlockManager(64, 4))
+    scheduler.add(_seq("first", [1], priority=0))
+    _run(scheduler)
+    scheduler.add(_seq("old", [1], priority=1))
+    started = []
+    for step in range(6):
+        scheduler.add(_seq(f"new{step}", [1], priority=0))
+        scheduler.remove(scheduler.running[0])  # one finishes each step
+        started += [i.seq.request_id for i in _run(scheduler).scheduled]
+    assert started == ["new0", "new1", "old", "new2", "new3", "new4"]
+    assert scheduler.num_priority_preemptions == 0  # nothing outranked the one running

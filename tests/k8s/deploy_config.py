@@ -59,11 +59,14 @@ def main(config_path: str, http_port: int, grpc_port: int, temp_dir: str) -> dic
             return report
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        liveness = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="liveness"),
+                                                             timeout=30)
         reply = rpc.GenerationStub(channel).Generate(
             pb.GenerateRequest(prompt="Hello", params=pb.SamplingParams(max_tokens=4, temperature=0.0)), timeout=60)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30) as http_reply:
             models = json.loads(http_reply.read())
         return report | {"health": health_pb2.HealthCheckResponse.ServingStatus.Name(health.status),
+                         "liveness": health_pb2.HealthCheckResponse.ServingStatus.Name(liveness.status),
                          "num_generated": len(reply.token_ids), "models": [m["id"] for m in models["data"]]}
     finally:
         serve.shutdown()

@@ -26,6 +26,7 @@ import yaml
 from grafana_dashboard import DASHBOARD, dashboard_metrics
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema, gRPCOptionsSchema
 
+from warpspec.serving.grpc_service import LIVENESS_SERVICE_NAME, READINESS_SERVICE_NAMES
 from warpspec.serving.serve_cli import free_local_port
 
 REPO = Path(__file__).parents[2]
@@ -244,6 +245,12 @@ def test_ports_and_probes_line_up_with_the_serve_config(name, doc):
         container = group["template"]["spec"]["containers"][0]
         for probe in ("readinessProbe", "livenessProbe"):
             assert "grpc" in container.get(probe, {}), f"{name} {group['groupName']}: {probe} must use gRPC health"
+        # Readiness asks whether the replica serves now; liveness whether it can recover by itself
+        # (a rebuilding replica is not ready but alive: restarting its pod would lose the rebuild).
+        assert container["livenessProbe"]["grpc"].get("service") == LIVENESS_SERVICE_NAME, \
+            f"{name}: the liveness probe must ask the liveness service"
+        for probe in ("startupProbe", "readinessProbe"):
+            assert container[probe]["grpc"].get("service", "") in READINESS_SERVICE_NAMES, f"{name} {probe}"
     for svc_name, svc in MANIFESTS:
         if svc["kind"] == "Service":
             for port in svc["spec"]["ports"]:
@@ -349,7 +356,7 @@ def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
     assert proc.returncode == 0, err[-3000:]
     report = json.loads(out.strip().splitlines()[-1])
     assert report["status"] == "RUNNING", f"{SERVE_CONFIG.name} failed to deploy: {report['message'][-2000:]}"
-    assert report["health"] == "SERVING"
+    assert report["health"] == "SERVING" and report["liveness"] == "SERVING"
     assert report["num_generated"] >= 1
     assert report["models"] == ["tiny-maverick"]  # the checkpoint folder's name
 

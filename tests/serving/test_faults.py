@@ -282,6 +282,7 @@ def test_failed_step_rebuilds_the_engine_in_process(serving_checkpoint):
         assert all(isinstance(r, WorkerDiedError) for r in results), results
         with pytest.raises(EngineError, match="rebuilding"):
             engine.check_health()
+        engine.check_alive()  # not ready, but alive: a restart would only lose the rebuild
         await wait_for_async(lambda: engine.failure is None, 60, "the engine rebuilt")
         engine.check_health()
         assert engine.llm.engine is not failed_engine and engine.num_rebuilds == 1

@@ -107,6 +107,8 @@ def test_models_and_health(client, serving_stack):
     assert [m.id for m in client.models.list()] == ["tiny"]
     with urllib.request.urlopen(f"{serving_stack.http_base}/health", timeout=10) as reply:
         assert reply.status == 200 and json.loads(reply.read()) == {"status": "ok"}
+    with urllib.request.urlopen(f"{serving_stack.http_base}/ready", timeout=10) as reply:
+        assert reply.status == 200 and json.loads(reply.read()) == {"status": "ready"}
 
 
 def test_unknown_model_is_404(client):

@@ -70,6 +70,33 @@ def test_dead_worker_makes_the_replica_unavailable_and_unhealthy(serving_checkpo
     asyncio.run(main())
 
 
+def test_readiness_fails_while_draining_or_down_and_liveness_only_when_it_cannot_recover(serving_checkpoint):
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    ready, live = health_pb2.HealthCheckRequest(), health_pb2.HealthCheckRequest(service="liveness")
+
+    async def main():
+        llm = AsyncLLM.from_options(str(serving_checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=32)
+        draining = GenerationService(ReplicaFrontend(llm, "tiny"))
+        await draining.frontend.drain(0.0)
+        assert (draining.health_check(ready).status, draining.health_check(live).status) == (not_serving, serving)
+
+        service = GenerationService(ReplicaFrontend(llm, "tiny", rebuild_on_failure=False))
+        assert (service.health_check(ready).status, service.health_check(live).status) == (serving, serving)
+
+        def die(step):
+            raise WorkerDiedError("a worker of this replica died during a step: test")
+
+        llm.engine.executor.execute = die
+        with pytest.raises(WorkerDiedError):
+            await service.generate(_request())
+        assert (service.health_check(ready).status, service.health_check(live).status) == (not_serving, not_serving)
+        with pytest.raises(EngineError, match="down and not rebuilding: a worker of this replica died"):
+            service.frontend.check_alive()
+        await service.frontend.shutdown()
+
+    asyncio.run(main())
+
+
 def test_unexpected_errors_never_carry_a_traceback():
     try:
         raise KeyError("boom\nTraceback (most recent call last): secret")

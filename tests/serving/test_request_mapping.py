@@ -4,6 +4,7 @@ and the OpenAI request shapes (plus the chat template and Serve args they depend
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,6 +40,23 @@ def test_a_request_opts_out_of_speculation_over_grpc_and_http():
     assert chat.params.speculation is True
     with pytest.raises(InvalidRequestError, match="speculation must be true, false or null, got 'off'"):
         completion_request({"model": "m", "prompt": "a", "speculation": "off"}, 64)
+
+
+def test_a_requests_priority_over_grpc_and_http_and_its_bad_values():
+    assert request_from_proto(pb.GenerateRequest(prompt="x"), 64)[1].priority == 0
+    _, params = request_from_proto(pb.GenerateRequest(prompt="x", params=pb.SamplingParams(priority=-3)), 64)
+    assert params.priority == -3
+    assert completion_request({"model": "m", "prompt": "a", "priority": 7}, 64).params.priority == 7
+    chat = chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": -1}, 64)
+    assert chat.params.priority == -1
+    for value, message in [("high", "priority must be an integer, got 'high'"),
+                           (1.5, "priority must be an integer, got 1.5"), (True, "priority must be an integer"),
+                           (2**31, "priority must be <= 2147483647, got 2147483648"),
+                           (-(2**31) - 1, "priority must be >= -2147483648, got -2147483649")]:
+        with pytest.raises(InvalidRequestError, match=re.escape(message)):
+            completion_request({"model": "m", "prompt": "a", "priority": value}, 64)
+    with pytest.raises(ValueError):  # gRPC: the int32 field itself refuses it, on the client
+        pb.SamplingParams(priority=2**31)
 
 
 def test_token_id_prompts_and_errors_name_the_field():

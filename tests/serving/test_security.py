@@ -166,6 +166,7 @@ def test_http_requires_the_key(secure):
     assert reply.json()["error"]["type"] == "authentication_error"
     assert requests.get(f"{base}/admin/stats", timeout=30).status_code == 401
     assert requests.get(f"{base}/health", timeout=30).status_code == 200  # probes carry no key
+    assert requests.get(f"{base}/ready", timeout=30).status_code == 200
     stats = requests.get(f"{base}/admin/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert stats.json()["is_healthy"]
 

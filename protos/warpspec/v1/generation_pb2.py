@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cwarpspec/v1/generation.proto\x12\x0bwarpspec.v1\"\xf6\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1d.warpspec.v1.StructuredOutput\x12\x18\n\x0bspeculation\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculation\"\x94\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.warpspec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x15.warpspec.v1.TokenIdsH\x00\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.warpspec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x0e\n\x0cprompt_input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"_\n\x0bSpecMetrics\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x01 \x01(\x02\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\">\n\x10PositionLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.warpspec.v1.TokenLogprob\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.warpspec.v1.Usage\x12&\n\x04spec\x18\x07 \x01(\x0b\x32\x18.warpspec.v1.SpecMetrics\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.warpspec.v1.PositionLogprobs\x12\x1d\n\x15time_to_first_token_s\x18\t \x01(\x02\x12\x1f\n\x17time_per_output_token_s\x18\n \x01(\x02\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\x12\r\n\x05\x64raft\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t2\xb9\x02\n\nGeneration\x12G\n\x08Generate\x12\x1c.warpspec.v1.GenerateRequest\x1a\x1d.warpspec.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x1c.warpspec.v1.GenerateRequest\x1a\x1d.warpspec.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.warpspec.v1.TokenizeRequest\x1a\x1d.warpspec.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .warpspec.v1.GetModelInfoRequest\x1a\x16.warpspec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cwarpspec/v1/generation.proto\x12\x0bwarpspec.v1\"\x9a\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1d.warpspec.v1.StructuredOutput\x12\x18\n\x0bspeculation\x18\x10 \x01(\x08H\x0b\x88\x01\x01\x12\x15\n\x08priority\x18\x11 \x01(\x05H\x0c\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x16\n\x14_skip_special_tokensB\x0e\n\x0c_speculationB\x0b\n\t_priority\"\x94\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.warpspec.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x15.warpspec.v1.TokenIdsH\x00\x12+\n\x06params\x18\x03 \x01(\x0b\x32\x1b.warpspec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\tB\x0e\n\x0cprompt_input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"_\n\x0bSpecMetrics\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x01 \x01(\x02\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x05\"M\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\">\n\x10PositionLogprobs\x12*\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x19.warpspec.v1.TokenLogprob\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.warpspec.v1.Usage\x12&\n\x04spec\x18\x07 \x01(\x0b\x32\x18.warpspec.v1.SpecMetrics\x12/\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1d.warpspec.v1.PositionLogprobs\x12\x1d\n\x15time_to_first_token_s\x18\t \x01(\x02\x12\x1f\n\x17time_per_output_token_s\x18\n \x01(\x02\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x04 \x01(\x05\x12\r\n\x05\x64raft\x18\x05 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t2\xb9\x02\n\nGeneration\x12G\n\x08Generate\x12\x1c.warpspec.v1.GenerateRequest\x1a\x1d.warpspec.v1.GenerateResponse\x12O\n\x0eGenerateStream\x12\x1c.warpspec.v1.GenerateRequest\x1a\x1d.warpspec.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.warpspec.v1.TokenizeRequest\x1a\x1d.warpspec.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .warpspec.v1.GetModelInfoRequest\x1a\x16.warpspec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'warpspec.protos.warpspec.v1
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=676
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=679
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=827
-  _globals['_CHOICES']._serialized_start=829
-  _globals['_CHOICES']._serialized_end=855
-  _globals['_GENERATEREQUEST']._serialized_start=858
-  _globals['_GENERATEREQUEST']._serialized_end=1025
-  _globals['_TOKENIDS']._serialized_start=1027
-  _globals['_TOKENIDS']._serialized_end=1050
-  _globals['_USAGE']._serialized_start=1052
-  _globals['_USAGE']._serialized_end=1132
-  _globals['_SPECMETRICS']._serialized_start=1134
-  _globals['_SPECMETRICS']._serialized_end=1229
-  _globals['_TOKENLOGPROB']._serialized_start=1231
-  _globals['_TOKENLOGPROB']._serialized_end=1308
-  _globals['_POSITIONLOGPROBS']._serialized_start=1310
-  _globals['_POSITIONLOGPROBS']._serialized_end=1372
-  _globals['_GENERATERESPONSE']._serialized_start=1375
-  _globals['_GENERATERESPONSE']._serialized_end=1678
-  _globals['_TOKENIZEREQUEST']._serialized_start=1680
-  _globals['_TOKENIZEREQUEST']._serialized_end=1711
-  _globals['_TOKENIZERESPONSE']._serialized_start=1713
-  _globals['_TOKENIZERESPONSE']._serialized_end=1766
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1768
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1789
-  _globals['_MODELINFO']._serialized_start=1792
-  _globals['_MODELINFO']._serialized_end=1964
-  _globals['_GENERATION']._serialized_start=1967
-  _globals['_GENERATION']._serialized_end=2280
+  _globals['_SAMPLINGPARAMS']._serialized_end=712
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=715
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=863
+  _globals['_CHOICES']._serialized_start=865
+  _globals['_CHOICES']._serialized_end=891
+  _globals['_GENERATEREQUEST']._serialized_start=894
+  _globals['_GENERATEREQUEST']._serialized_end=1061
+  _globals['_TOKENIDS']._serialized_start=1063
+  _globals['_TOKENIDS']._serialized_end=1086
+  _globals['_USAGE']._serialized_start=1088
+  _globals['_USAGE']._serialized_end=1168
+  _globals['_SPECMETRICS']._serialized_start=1170
+  _globals['_SPECMETRICS']._serialized_end=1265
+  _globals['_TOKENLOGPROB']._serialized_start=1267
+  _globals['_TOKENLOGPROB']._serialized_end=1344
+  _globals['_POSITIONLOGPROBS']._serialized_start=1346
+  _globals['_POSITIONLOGPROBS']._serialized_end=1408
+  _globals['_GENERATERESPONSE']._serialized_start=1411
+  _globals['_GENERATERESPONSE']._serialized_end=1714
+  _globals['_TOKENIZEREQUEST']._serialized_start=1716
+  _globals['_TOKENIZEREQUEST']._serialized_end=1747
+  _globals['_TOKENIZERESPONSE']._serialized_start=1749
+  _globals['_TOKENIZERESPONSE']._serialized_end=1802
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1804
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1825
+  _globals['_MODELINFO']._serialized_start=1828
+  _globals['_MODELINFO']._serialized_end=2000
+  _globals['_GENERATION']._serialized_start=2003
+  _globals['_GENERATION']._serialized_end=2316
 # @@protoc_insertion_point(module_scope)
