@@ -9,6 +9,11 @@ and TTFT / TPOT p50, p90, p99; and the serving overhead (tokens/s lost, TPOT add
 interleaved over --repeats rounds (median kept): this machine's speed drifts. Writes
 runs/bench/serve.json and serve.md.
 
+`--tracing` adds two paths over the same in-process engine: the replica front (ReplicaFrontend and
+the gRPC service's code, no network) without a tracer, and with one tracing every request to an
+OTLP/HTTP receiver on loopback (a process of its own that accepts and drops the spans), each request
+carrying a client traceparent; and the tokens/s tracing costs.
+
 `--autoscale` runs the autoscaling check instead (benchmarks/autoscale_check.py): runs/bench/serve_autoscale.json.
 """
 
@@ -20,6 +25,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -118,6 +125,39 @@ def grpc_runner(stub, new_tokens: int) -> RunOne:
     return run_one
 
 
+def frontend_runner(frontend, new_tokens: int) -> RunOne:
+    """Requests through the replica front's gRPC service code in-process, each with a traceparent."""
+    from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+    from warpspec.serving.grpc_service import GenerationService
+
+    service = GenerationService(frontend)
+    params = pb.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run_one(prompt: list[int]) -> Timing:
+        request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=params)
+        metadata = [("traceparent", f"00-{random.getrandbits(128):032x}-{random.getrandbits(64):016x}-01")]
+        return await _timed(reply.token_ids async for reply in service.generate_stream(request, metadata))
+
+    return run_one
+
+
+# A receiver that takes OTLP/HTTP posts and drops them, run apart so that it costs the engine nothing.
+_RECEIVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class Drop(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = HTTPServer(("127.0.0.1", 0), Drop)
+print(server.server_port, flush=True)
+server.serve_forever()
+"""
+
+
 def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, stream_gap_ms: float = 0.0,
                  run_dir: str = "runs") -> str:
 
@@ -167,9 +207,19 @@ async def _compare(model_dir: Path, engine_args: dict, target: str, vocab: int,
     # each other: measured 10x slower steps here while another process ran.)
     torch.set_num_threads(REPLICA_CPUS)
     engine = AsyncLLM.from_options(str(model_dir), **engine_args)
+    receiver = provider = None
     async with grpc.aio.insecure_channel(target) as channel:
         paths = {"AsyncLLM in-process": in_process_runner(engine, args.new_tokens),
                  "gRPC via Ray Serve": grpc_runner(pb_grpc.GenerationStub(channel), args.new_tokens)}
+        if args.tracing:
+            from warpspec.serving.replica_frontend import ReplicaFrontend
+            from warpspec.tracing import TRACER_NAME, configure_tracing
+
+            receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER], stdout=subprocess.PIPE, text=True)
+            provider = configure_tracing(f"http://127.0.0.1:{receiver.stdout.readline().strip()}/v1/traces")
+            paths["replica front, tracing off"] = frontend_runner(ReplicaFrontend(engine), args.new_tokens)
+            paths["replica front, tracing on"] = frontend_runner(
+                ReplicaFrontend(engine, tracer=provider.get_tracer(TRACER_NAME)), args.new_tokens)
         runs: dict[str, list[dict]] = {name: [] for name in paths}
         warm = make_prompts(2, args.prompt_len, vocab, seed=999)
         for run_one in paths.values():
@@ -179,6 +229,10 @@ async def _compare(model_dir: Path, engine_args: dict, target: str, vocab: int,
             for name, run_one in paths.items():
                 runs[name].append(await drive(run_one, prompts, args.concurrency, args.rate, seed=repeat))
     await engine.shutdown()
+    if provider is not None:
+        provider.shutdown()
+        receiver.kill()
+        receiver.wait()
     return runs
 
 
@@ -197,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the deployment's stream_gap_ms: at most one streamed message per this many ms "
                              "(default: the deployment's, %(default)g)")
     parser.add_argument("--run-dir", default="runs")
+    parser.add_argument("--tracing", action="store_true",
+                        help="add the replica front without and with OpenTelemetry tracing of every request")
     parser.add_argument("--autoscale", action="store_true",
                         help="instead: check that sustained load adds a second replica that takes traffic, "
                              "and that the deployment scales back down")
@@ -231,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     rows = [_median_row(name, r) for name, r in runs.items()]
-    local, served = rows
+    local, served = rows[:2]
     overhead = {"tokens_per_s_lost_pct": 100 * (1 - served["tokens_per_s"] / local["tokens_per_s"]),
                 "tpot_p50_added_pct": 100 * (served["tpot_ms_p50"] / local["tpot_ms_p50"] - 1),
                 "ttft_p50_added_ms": served["ttft_ms_p50"] - local["ttft_ms_p50"]}
@@ -244,12 +300,19 @@ def main(argv: list[str] | None = None) -> int:
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows,
               "overhead": overhead}
     out_dir.mkdir(parents=True, exist_ok=True)
+    tracing = ""
+    if args.tracing:
+        off, on = rows[2:]
+        report["tracing_tokens_per_s_lost_pct"] = 100 * (1 - on["tokens_per_s"] / off["tokens_per_s"])
+        tracing = (f"tracing every request: {report['tracing_tokens_per_s_lost_pct']:.1f}% fewer tokens/s than the "
+                   f"same front without a tracer\n")
     (out_dir / "serve.json").write_text(json.dumps(report, indent=2))
     text = (f"Serving overhead, {load}, {args.num_requests} requests x {args.new_tokens} tokens, "
             f"stream_interval {args.stream_interval}, stream_gap_ms {args.stream_gap_ms:g}, proxy to replica over "
             f"{transport} (median of {args.repeats}):\n\n{_table(rows)}\n\n"
             f"serving path: {overhead['tokens_per_s_lost_pct']:.1f}% fewer tokens/s, "
-            f"TPOT p50 {overhead['tpot_p50_added_pct']:+.1f}%, TTFT p50 {overhead['ttft_p50_added_ms']:+.1f} ms\n")
+            f"TPOT p50 {overhead['tpot_p50_added_pct']:+.1f}%, TTFT p50 {overhead['ttft_p50_added_ms']:+.1f} ms\n"
+            f"{tracing}")
     (out_dir / "serve.md").write_text(text)
     print(text)
     return 0

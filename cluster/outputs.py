@@ -34,6 +34,9 @@ class RequestOutput:
     # Streaming: what this output adds to the previous one of the same request.
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    # The engine steps this output covers and the drafts they verified (0 without speculation).
+    num_steps: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:

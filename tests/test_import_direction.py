@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 FOLDERS = {"cluster": "warpspec", "workers": "warpspec.workers", "kernels": "warpspec.kernels",
            "protos": "warpspec.protos", "training": "warpspec.training", "benchmarks": "warpspec.benchmarks",
            "assets": "warpspec.assets"}
-# Modules at warpspec's root that every layer may share: errors and the user-facing request and output types.
-COMMON = {"errors", "sampling_params", "outputs", "tokenizer"}
+# Modules at warpspec's root that every layer may share: errors, the user-facing request and output
+# types, and request traces.
+COMMON = {"errors", "sampling_params", "outputs", "tokenizer", "tracing"}
 RUNTIME = {"common", "config", "core", "sample", "structured_output", "spec_decode", "executor", "client",
            "entrypoints", "serving", "workers", "kernels", "protos"}
 # What each component may import besides itself, from the top of the request path down.

@@ -42,6 +42,7 @@ class RequestDelta:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the request's first delta
     metrics: dict[str, float] = field(default_factory=dict)  # on the first delta and the last
     num_draft_tokens: int = 0  # drafts this step verified: new_token_ids holds the accepted ones plus one
+    num_steps: int = 1  # steps merged into this delta (then)
 
     @property
     def finished(self) -> bool:
@@ -55,7 +56,8 @@ class RequestDelta:
         return RequestDelta(self.request_id, self.new_token_ids + later.new_token_ids, later.finish_reason,
                             later.stop_reason, logprobs,
                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                            {**self.metrics, **later.metrics}, self.num_draft_tokens + later.num_draft_tokens)
+                            {**self.metrics, **later.metrics}, self.num_draft_tokens + later.num_draft_tokens,
+                            self.num_steps + later.num_steps)
 
 
 @dataclass

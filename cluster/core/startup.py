@@ -52,8 +52,8 @@ class StartupTimer:
 
 def show_startup_log() -> None:
     """Print the start-up log to stderr at INFO in this process (once; Ray forwards an actor's
-    stderr to the driver)."""
-    if not logger.handlers:
+    stderr to the driver), unless the "warpspec" logger already prints it (a replica's logs)."""
+    if not logger.handlers and not logging.getLogger("warpspec").handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)

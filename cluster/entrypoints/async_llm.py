@@ -35,6 +35,7 @@ from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, StepFailedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import SamplingParams
+from warpspec.tracing import RequestTrace
 from warpspec.workers.cpu_threads import in_a_passing_thread
 
 logger = logging.getLogger(__name__)
@@ -111,18 +112,20 @@ class AsyncLLM:
         coordinator = self.engine.coordinator
         return await asyncio.to_thread(lambda: (coordinator.coordinator_pid(), coordinator.worker_pids()))
 
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                       trace: RequestTrace | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs: each carries the new token ids and text since the previous
         one; the last has finish_reason set and the full text. Closing the iterator early (a client
         that went away) aborts the request. Bad requests raise InvalidRequestError and a full queue
-        EngineOverloadedError, both before anything is queued."""
+        EngineOverloadedError, both before anything is queued. trace: the request's spans
+        (warpspec.tracing), told of its validation and of each output; its owner ends it."""
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if self.is_rebuilding:
             raise EngineError("the engine is being rebuilt after a failure; retry shortly")
         if request_id in self.streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
-        request = self.engine.new_request(request_id, prompt, params)
+        with trace.validating() if trace is not None else contextlib.nullcontext():
+            request = self.engine.new_request(request_id, prompt, params)
         limit = self.config.scheduler.max_waiting_requests
         if self.engine.num_waiting >= limit:
             raise EngineOverloadedError(f"engine overloaded: {limit} requests already waiting "
@@ -142,6 +145,8 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
+                if trace is not None:
+                    trace.on_output(item)
                 yield item
                 if finished:
                     return

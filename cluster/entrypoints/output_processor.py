@@ -149,7 +149,9 @@ class OutputProcessor:
                     self.abort_in_core(delta.request_id)
             elif state.finish_reason is not None:
                 metrics = delta.metrics
-            outputs.append(state.output(state.token_ids[num_before:], metrics))
+            out = state.output(state.token_ids[num_before:], metrics)
+            out.num_steps, out.num_draft_tokens = delta.num_steps, delta.num_draft_tokens
+            outputs.append(out)
             if state.finish_reason is not None:
                 del self.requests[delta.request_id]
         return outputs

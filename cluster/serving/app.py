@@ -109,6 +109,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             its requests fail (UNAVAILABLE / 503) and it is rebuilt (0: never).
         min_acceptance_length (1.3): with a draft, an acceptance length below this over the last minute
             logs a warning naming draft and target and sets the warpspec_low_acceptance gauge (0: never).
+        log_format ("text"): the replicas' logs, or "json": one object per line, each line about a
+            request with its request_id and trace_id, and an access line per request.
+        otlp_traces_endpoint: trace every request with OpenTelemetry to this OTLP/HTTP receiver (its
+            /v1/traces URL); unset: only where the standard OTEL_* variables ask for traces.
 
     Security and limits:
         api_key: clients must send it (HTTP `Authorization: Bearer KEY`, gRPC metadata

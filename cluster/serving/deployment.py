@@ -36,11 +36,13 @@ from warpspec.core.startup import show_startup_log
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.serving.grpc_service import GenerationService
+from warpspec.serving.logs import configure_logging
 from warpspec.serving.metrics import ReplicaStats, ServingMetrics
 from warpspec.serving.openai_api import build_openai_app
 from warpspec.serving.replica_frontend import ReplicaFrontend, ReplicaProcesses
 from warpspec.serving.serve_config import ReplicaSettings
 from warpspec.serving.wire_errors import wire_error
+from warpspec.tracing import TRACER_NAME, configure_tracing
 
 logger = logging.getLogger("warpspec.serving")
 
@@ -91,6 +93,10 @@ def grpc_stream_method(method):
     return call
 
 
+def _metadata(grpc_context) -> tuple:
+    return tuple(grpc_context.invocation_metadata() or ()) if grpc_context is not None else ()
+
+
 def _match_threads_to_reserved_cpus() -> None:
     """Compute with as many torch threads as CPUs the replica reserved (num_cpus). Ray only sets
     OMP_NUM_THREADS when the driver had none, and a replica inheriting more threads than it reserved
@@ -108,13 +114,16 @@ class WarpspecServer:
     async def __init__(self, settings: ReplicaSettings):
         """settings: ServeConfig.replica_settings (app.build_app)."""
         _match_threads_to_reserved_cpus()
+        configure_logging(settings.log_format)
         show_startup_log()
         llm = await AsyncLLM.create(settings.model, **settings.engine)
         metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1],
                                  llm.config.speculative.draft, settings.min_acceptance_length)
+        self.tracing = configure_tracing(settings.otlp_traces_endpoint)
         self.frontend = ReplicaFrontend(llm, settings.model_name, metrics, settings.stream_interval,
                                       stream_gap_s=settings.stream_gap_ms / 1000,
-                                      stall_timeout_s=settings.stall_timeout_s)
+                                      stall_timeout_s=settings.stall_timeout_s,
+                                      tracer=None if self.tracing is None else self.tracing.get_tracer(TRACER_NAME))
         self.drain_timeout_s = settings.drain_timeout_s
         self.limits, self.auth = settings.limits, settings.auth  # auth None: no API key required
         self.service = GenerationService(self.frontend, self.limits, self.auth)
@@ -144,11 +153,11 @@ class WarpspecServer:
 
     @grpc_method(lambda request: pb.GenerateResponse(request_id=request.request_id))
     async def _generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
-        return await self.service.generate(request)
+        return await self.service.generate(request, _metadata(grpc_context))
 
     @grpc_stream_method
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):  # noqa: N802
-        async for response in self.service.generate_stream(request):
+        async for response in self.service.generate_stream(request, _metadata(grpc_context)):
             yield response
 
     @grpc_method(lambda _: pb.TokenizeResponse())
@@ -183,3 +192,5 @@ class WarpspecServer:
             self.stats_task.cancel()
         if getattr(self, "frontend", None) is not None:
             await self.frontend.shutdown(self.drain_timeout_s)
+        if getattr(self, "tracing", None) is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans still in the batch go out

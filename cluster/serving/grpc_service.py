@@ -39,18 +39,19 @@ class GenerationService:
         if self.auth is not None:
             self.auth.check_grpc(grpc_context)
 
-    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    async def generate(self, request: pb.GenerateRequest, metadata=()) -> pb.GenerateResponse:
+        """metadata: the call's (key, value) pairs, where a W3C traceparent may come."""
         prompt, params = request_from_proto(request, self.frontend.description.max_model_len, self.limits)
         final = None
-        async for out in self.frontend.stream(prompt, params, request.request_id or None):
+        async for out in self.frontend.stream(prompt, params, request.request_id or None, dict(metadata or ())):
             final = out
         return response_from_output(final, streaming=False)
 
-    async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate_stream(self, request: pb.GenerateRequest, metadata=()) -> AsyncIterator[pb.GenerateResponse]:
         """One message per engine step that added text or tokens, the final one with usage. A client
         that cancels closes this generator, which aborts the request (AsyncLLM frees its KV)."""
         prompt, params = request_from_proto(request, self.frontend.description.max_model_len, self.limits)
-        async for out in self.frontend.stream(prompt, params, request.request_id or None):
+        async for out in self.frontend.stream(prompt, params, request.request_id or None, dict(metadata or ())):
             if out.new_token_ids or out.new_text or out.finished:
                 yield response_from_output(out, streaming=True)
 

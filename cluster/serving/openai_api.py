@@ -136,12 +136,14 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
             raise NotFoundError(f"model {name!r} is not served here; this deployment serves {model_name!r}")
         return body
 
-    async def run(body: dict, request: CompletionRequest, chat: bool, tools: ToolRequest | None = None):
+    async def run(body: dict, request: CompletionRequest, chat: bool, headers, tools: ToolRequest | None = None):
         builder = ResponseBuilder(model_name, chat, request, decode_token, tools)
+        stream_of = functools.partial(frontend.stream, trace_headers=headers,
+                                      operation="chat" if chat else "text_completion")
         if not body.get("stream"):
             # A list of prompts runs side by side; the first failure cancels (and so aborts) the others
             # and is the reply's error.
-            tasks = [asyncio.ensure_future(_final_output(frontend.stream(prompt, request.params)))
+            tasks = [asyncio.ensure_future(_final_output(stream_of(prompt, request.params)))
                      for prompt in request.prompts]
             try:
                 outs = await asyncio.gather(*tasks)
@@ -151,7 +153,7 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             return JSONResponse(builder.final(outs))
-        stream = frontend.stream(request.prompts[0], request.params)
+        stream = stream_of(request.prompts[0], request.params)
         # Start the request before answering 200, so that queue-full and engine errors get a status.
         first = await anext(stream)
         stream_options = body.get("stream_options") or {}
@@ -185,7 +187,8 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
     @answered()
     async def completions(request: Request):
         body = await read_body(request)
-        return await run(body, completion_request(body, frontend.description.max_model_len, limits), chat=False)
+        return await run(body, completion_request(body, frontend.description.max_model_len, limits), chat=False,
+                         headers=request.headers)
 
     @app.post("/v1/chat/completions")
     @answered()
@@ -193,7 +196,8 @@ def build_openai_app(frontend: ReplicaFrontend, chat_template: ChatTemplate | No
         body = await read_body(request)
         chat = chat_request(body, frontend.description.max_model_len, limits)
         prompt = template.render(chat.messages, chat.tools.functions if chat.tools is not None else None)
-        return await run(body, CompletionRequest([prompt], chat.params), chat=True, tools=chat.tools)
+        return await run(body, CompletionRequest([prompt], chat.params), chat=True, headers=request.headers,
+                         tools=chat.tools)
 
     @app.get("/v1/models")
     @answered()

@@ -12,9 +12,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warpspec.core.engine_core import Prompt
 from warpspec.core.startup import StartupPhase, log_startup_table
@@ -22,7 +23,13 @@ from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, ReplicaDrainingError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import SamplingParams
+from warpspec.serving.logs import log_access, serving_request
 from warpspec.serving.metrics import ReplicaStats, ServingMetrics
+from warpspec.serving.wire_errors import wire_error
+from warpspec.tracing import RequestTrace
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 logger = logging.getLogger("warpspec.serving")
 
@@ -54,7 +61,7 @@ class ModelDescription:
 class ReplicaFrontend:
     def __init__(self, llm: AsyncLLM, model_name: str | None = None, metrics: ServingMetrics | None = None,
                  stream_interval: int = 1, rebuild_on_failure: bool = True, stream_gap_s: float = 0.0,
-                 stall_timeout_s: float = 0.0):
+                 stall_timeout_s: float = 0.0, tracer: Tracer | None = None):
         """stream_interval: streamed outputs after the first carry at least this many new tokens (the
         last may carry fewer). Every message costs the serving path a few ms (replica -> proxy -> client: measured
         +4 ms per token at one stream on 2 CPU cores), so fast models stream cheaper in bunches.
@@ -64,7 +71,8 @@ class ReplicaFrontend:
         rebuild_on_failure: after a fatal step failure (a dead worker or coordinator) rebuild the engine
         in place (new actors, placement group, weights); the replica is unhealthy until it is back.
         stall_timeout_s: requests in flight and no step delivered for this long counts as such a
-        failure (check_progress); 0: never."""
+        failure (check_progress); 0: never.
+        tracer: traces each request (warpspec.tracing.configure_tracing); None: no traces."""
         if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
             raise ValueError(f"stream_interval must be a positive integer, got {stream_interval!r}")
         if not stream_gap_s >= 0:
@@ -72,6 +80,7 @@ class ReplicaFrontend:
         self.llm = llm
         self.stream_interval, self.stream_gap_s = stream_interval, stream_gap_s
         self.stall_timeout_s = stall_timeout_s
+        self.tracer = tracer
         config = llm.config
         self.description = ModelDescription(
             name=model_name or Path(config.model).name, path=config.model,
@@ -92,17 +101,27 @@ class ReplicaFrontend:
     def tokenizer(self):
         return self.llm.tokenizer
 
-    async def stream(self, prompt: Prompt, params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def stream(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                     trace_headers: Mapping[str, str] | None = None,
+                     operation: str = "text_completion") -> AsyncIterator[RequestOutput]:
         """AsyncLLM.generate under a replica-unique engine id; outputs carry the client's request_id
         (clients may reuse ids, even concurrently, without colliding). Closing the iterator aborts the
-        request and frees its KV blocks."""
+        request and frees its KV blocks. With a tracer, the request is traced (operation: the GenAI
+        operation name, "text_completion" or "chat"), under the client's W3C traceparent from
+        trace_headers when it sent a valid one."""
         self.check_health()
         client_id = request_id or uuid.uuid4().hex
         engine_id = f"{client_id}#{uuid.uuid4().hex[:12]}"
         finished = False
         held: list[RequestOutput] = []  # outputs not yet passed on (stream_interval > 1, or the gap)
-        outputs = self.llm.generate(prompt, params, request_id=engine_id)
+        serving_request(client_id)
+        trace = None if self.tracer is None else RequestTrace(self.tracer, operation, self.description.name, params,
+                                                              trace_headers, client_id)
+        failure: BaseException | None = None
+        final: RequestOutput | None = None
+        if trace is not None:
+            serving_request(client_id, trace.trace_id)
+        outputs = self.llm.generate(prompt, params, request_id=engine_id, trace=trace)
         loop = asyncio.get_running_loop()
         next_output: asyncio.Future | None = None  # the engine's next output, awaited across gaps
         sent_at = -float("inf")
@@ -131,7 +150,7 @@ class ReplicaFrontend:
                 next_output = None
                 out.request_id = client_id
                 if out.finished:
-                    finished = True
+                    finished, final = True, out
                     if self.metrics is not None:
                         self.metrics.record_finished(out)
                         self.metrics.record_stats(self.stats())
@@ -146,7 +165,10 @@ class ReplicaFrontend:
                     held, sent_at = [], loop.time()
                 if out.finished:
                     break
-        except Exception as e:
+        except BaseException as e:
+            failure = e
+            if not isinstance(e, Exception):
+                raise  # cancelled or closed: abandoned
             finished = True  # refused or failed, not abandoned
             if isinstance(e, EngineError) and not isinstance(e, EngineOverloadedError | ReplicaDrainingError):
                 self._fail(str(e).splitlines()[0])
@@ -161,6 +183,13 @@ class ReplicaFrontend:
             await outputs.aclose()
             if not finished:
                 self.num_aborted += 1
+            if trace is not None:
+                trace.end(failure)
+            status = "ok" if failure is None else "cancelled" if not isinstance(failure, Exception) \
+                else wire_error(failure).grpc_code.name
+            log_access(client_id, trace.trace_id if trace is not None else None, status,
+                       final.finish_reason if final is not None else None, final.metrics if final is not None else {})
+            serving_request(None)
 
     def tokenize(self, text: str) -> tuple[list[int], list[str]]:
         if self.tokenizer is None:
@@ -280,4 +309,6 @@ def _merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     if len(outputs) > 1:
         last.new_token_ids = [t for o in outputs for t in o.new_token_ids]
         last.new_text = "".join(o.new_text for o in outputs)
+        last.num_steps = sum(o.num_steps for o in outputs)
+        last.num_draft_tokens = sum(o.num_draft_tokens for o in outputs)
     return last

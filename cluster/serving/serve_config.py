@@ -15,6 +15,7 @@ from warpspec.config.options import BY_NAME as ENGINE_OPTIONS
 from warpspec.config.options import engine_config, parse_option
 from warpspec.serving.auth import ApiKeyAuth, resolve_api_key
 from warpspec.serving.limits import MIB, RequestLimits
+from warpspec.serving.logs import LOG_FORMATS
 
 GRPC_SERVICER_FUNCTIONS = [
     # The generated servicer's handlers, with parsing that turns malformed bytes into INVALID_ARGUMENT.
@@ -39,6 +40,8 @@ class ReplicaSettings:
     drain_timeout_s: float
     stall_timeout_s: float
     min_acceptance_length: float
+    otlp_traces_endpoint: str | None
+    log_format: str
     limits: RequestLimits
     auth: ApiKeyAuth | None
 
@@ -78,6 +81,11 @@ class ServeConfig:
     # naming draft and target, the warpspec_low_acceptance gauge); 0: never. A draft that matches its
     # target accepts 2.4-3.2 at k = 3; one that does not, about 1.0.
     min_acceptance_length: float = 1.3
+    # Trace every request with OpenTelemetry to this OTLP/HTTP receiver (its /v1/traces URL); None: only
+    # where the standard OTEL_* variables ask for traces (warpspec/tracing.py).
+    otlp_traces_endpoint: str | None = None
+    # The replicas' logs: "text", or "json" (one object per line, for a log pipeline); serving/logs.py.
+    log_format: str = "text"
     # Clients must send this key (HTTP `Authorization: Bearer`, gRPC `authorization` metadata); None:
     # api_key_file, else the WARPSPEC_API_KEY environment variable, else no key is required.
     api_key: str | None = field(default=None, repr=False)
@@ -104,6 +112,11 @@ class ServeConfig:
         if not (self.min_acceptance_length == 0 or self.min_acceptance_length >= 1):
             raise ValueError(f"min_acceptance_length must be 0 (no warning) or >= 1 (an acceptance length "
                              f"counts the bonus token), got {self.min_acceptance_length}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint must be an http:// or https:// URL (OTLP over HTTP), got "
+                             f"{self.otlp_traces_endpoint!r:.200}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r:.80}")
         engine_config(self.model, **self.engine)  # a bad engine option is refused here, named, before Ray
         self.limits = RequestLimits(self.max_request_bytes, self.max_prompt_bytes)
         key = resolve_api_key(self.api_key, self.api_key_file)
@@ -113,7 +126,8 @@ class ServeConfig:
     def replica_settings(self) -> ReplicaSettings:
         return ReplicaSettings(self.model, self.engine, self.model_name, self.warmup, self.stream_interval,
                                self.stream_gap_ms, self.drain_timeout_s, self.stall_timeout_s,
-                               self.min_acceptance_length, self.limits, self.auth)
+                               self.min_acceptance_length, self.otlp_traces_endpoint, self.log_format,
+                               self.limits, self.auth)
 
     @property
     def autoscaling_config(self) -> dict[str, Any]:

@@ -1,0 +1,184 @@
+"""Request traces (warpspec/tracing.py) through the replica front: one trace per request under the
+client's W3C traceparent (gRPC metadata and HTTP headers), the phase spans in order with GenAI
+attributes, a failed request's error, a malformed traceparent ignored, and the real OTLP/HTTP
+exporter posting to a receiver on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+from starlette.testclient import TestClient
+
+from warpspec import tracing
+from warpspec.entrypoints.async_llm import AsyncLLM
+from warpspec.errors import InvalidRequestError
+from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.serving.grpc_service import GenerationService
+from warpspec.serving.openai_api import build_openai_app
+from warpspec.serving.replica_frontend import ReplicaFrontend
+from warpspec.serving.serve_config import ServeConfig
+from warpspec.tracing import TRACER_NAME, configure_tracing, tracing_requested
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_SPAN_ID = "b7ad6b7169203331"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
+PHASES = ["validate and tokenize", "queue", "prefill", "decode", "detokenize and stream"]
+
+
+def _request(max_tokens: int = 6) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt="def main():", params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                             ignore_eos=True))
+
+
+def _traced_frontend(checkpoint, tracer) -> ReplicaFrontend:
+    llm = AsyncLLM.from_options(str(checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=32)
+    return ReplicaFrontend(llm, "tiny", tracer=tracer)
+
+
+def _by_name(spans) -> dict:
+    return {span.name: span for span in spans}
+
+
+def test_a_request_is_one_trace_of_its_phases_under_the_clients_traceparent(serving_checkpoint, caplog,
+                                                                             monkeypatch):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_warned_malformed", False)
+
+    async def main():
+        frontend = _traced_frontend(serving_checkpoint, provider.get_tracer(TRACER_NAME))
+        service = GenerationService(frontend)
+        reply = await service.generate(_request(), metadata=[("traceparent", TRACEPARENT)])
+        traced = exporter.get_finished_spans()
+        exporter.clear()
+        for _ in range(2):
+            await service.generate(_request(2), metadata=[("traceparent", "00-not-a-trace-01")])
+        malformed = exporter.get_finished_spans()
+        exporter.clear()
+        too_long = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 200), params=_request().params)
+        with pytest.raises(InvalidRequestError):
+            await service.generate(too_long)
+        failed = exporter.get_finished_spans()
+        await frontend.shutdown()
+        return reply, traced, malformed, failed
+
+    with caplog.at_level(logging.WARNING, logger="warpspec.tracing"):
+        reply, traced, malformed, failed = asyncio.run(main())
+
+    spans = _by_name(traced)
+    assert sorted(spans) == sorted(["text_completion tiny", *PHASES])
+    root = spans["text_completion tiny"]
+    assert {format(s.context.trace_id, "032x") for s in traced} == {TRACE_ID}
+    assert format(root.parent.span_id, "016x") == PARENT_SPAN_ID and root.parent.is_remote
+    assert all(spans[name].parent.span_id == root.context.span_id for name in PHASES)
+    assert root.attributes["gen_ai.request.model"] == "tiny" and root.attributes["gen_ai.request.max_tokens"] == 6
+    assert root.attributes["gen_ai.usage.output_tokens"] == len(reply.token_ids) == 6
+    assert root.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
+    assert root.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    # The phases follow each other on one timeline, inside the request's span.
+    queue, prefill, decode = spans["queue"], spans["prefill"], spans["decode"]
+    assert root.start_time <= spans["validate and tokenize"].end_time <= queue.start_time
+    assert queue.end_time <= prefill.start_time + 1 and prefill.end_time <= decode.start_time + 1
+    assert decode.end_time <= root.end_time
+    assert sum(event.attributes["warpspec.new_tokens"] for event in decode.events) == 6
+
+    # A malformed traceparent: each request starts a trace of its own, and it is logged once.
+    roots = [s for s in malformed if s.name == "text_completion tiny"]
+    assert len(roots) == 2 and roots[0].parent is None and roots[0].context.trace_id != roots[1].context.trace_id
+    assert [r.message for r in caplog.records].count(
+        "ignored a malformed traceparent '00-not-a-trace-01': the request starts a new trace (logged once)") == 1
+
+    # A request the front end refuses ends its trace there, marked as failed with the reason.
+    spans = _by_name(failed)
+    assert sorted(spans) == ["text_completion tiny", "validate and tokenize"]
+    for span in spans.values():
+        assert span.status.status_code == StatusCode.ERROR and "max_model_len 128" in span.status.description
+
+
+def test_the_http_traceparent_header_is_honoured(serving_checkpoint):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    frontend = _traced_frontend(serving_checkpoint, provider.get_tracer(TRACER_NAME))
+    with TestClient(build_openai_app(frontend)) as client:
+        reply = client.post("/v1/chat/completions", headers={"traceparent": TRACEPARENT},
+                            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                  "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        client.portal.call(frontend.shutdown)
+    spans = _by_name(exporter.get_finished_spans())
+    assert sorted(spans) == sorted(["chat tiny", *PHASES])
+    assert format(spans["chat tiny"].context.trace_id, "032x") == TRACE_ID
+    assert spans["chat tiny"].attributes["gen_ai.operation.name"] == "chat"
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    bodies: list[tuple[str, str, bytes]] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Receiver.bodies.append((self.path, self.headers["Content-Type"], body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+        self.wfile.write(b"")
+
+    def log_message(self, *args):
+        pass
+
+
+def test_spans_reach_an_otlp_http_receiver_through_the_real_exporter(serving_checkpoint):
+    server = HTTPServer(("127.0.0.1", 0), _Receiver)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        provider = configure_tracing(f"http://127.0.0.1:{server.server_port}/v1/traces")
+
+        async def main():
+            frontend = _traced_frontend(serving_checkpoint, provider.get_tracer(TRACER_NAME))
+            await GenerationService(frontend).generate(_request(3), metadata=[("traceparent", TRACEPARENT)])
+            await frontend.shutdown()
+
+        asyncio.run(main())
+        provider.shutdown()  # sends what the batch still holds
+    finally:
+        server.shutdown()
+        thread.join()
+    assert _Receiver.bodies and all(path == "/v1/traces" and kind == "application/x-protobuf"
+                                    for path, kind, _ in _Receiver.bodies)
+    spans, services = [], set()
+    for _, _, body in _Receiver.bodies:
+        export = ExportTraceServiceRequest.FromString(body)
+        for resource_spans in export.resource_spans:
+            services |= {a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"}
+            spans += [span for scope in resource_spans.scope_spans for span in scope.spans]
+    assert services == {"warpspec"}
+    assert sorted(span.name for span in spans) == sorted(["text_completion tiny", *PHASES])
+    assert {span.trace_id.hex() for span in spans} == {TRACE_ID}
+
+
+def test_tracing_is_off_unless_an_option_or_the_otel_variables_ask(monkeypatch):
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_EXPORTER",
+                 "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    assert not tracing_requested() and configure_tracing() is None
+    assert tracing_requested("http://collector:4318/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    assert tracing_requested()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert not tracing_requested("http://collector:4318/v1/traces")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not tracing_requested()
+    with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http:// or https:// URL"):
+        ServeConfig(model="/models/m", otlp_traces_endpoint="collector:4317")
