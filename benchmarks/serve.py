@@ -224,15 +224,17 @@ async def _compare(model_dir: Path, engine_args: dict, target: str, vocab: int,
         warm = make_prompts(2, args.prompt_len, vocab, seed=999)
         for run_one in paths.values():
             await drive(run_one, warm, 2, 0.0, 0)
-        for repeat in range(args.repeats):
-            prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=repeat)
-            for name, run_one in paths.items():
-                runs[name].append(await drive(run_one, prompts, args.concurrency, args.rate, seed=repeat))
-    await engine.shutdown()
-    if provider is not None:
-        provider.shutdown()
-        receiver.kill()
-        receiver.wait()
+        try:
+            for repeat in range(args.repeats):
+                prompts = make_prompts(args.num_requests, args.prompt_len, vocab, seed=repeat)
+                for name, run_one in paths.items():
+                    runs[name].append(await drive(run_one, prompts, args.concurrency, args.rate, seed=repeat))
+        finally:
+            await engine.shutdown()
+            if receiver is not None:
+                provider.shutdown()
+                receiver.kill()
+                receiver.wait()
     return runs
 
 
