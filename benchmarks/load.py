@@ -16,7 +16,8 @@ Priorities (--priorities 0,1,2): a deployment whose batch is small (--priority-m
 requests queue, and two rounds of the same requests on it: every priority equal, then each request
 in a class drawn from the list. TTFT p50 / p99 and the worst TTFT per class, side by side.
 
-Writes runs/bench/load.json and load.md.
+Meanwhile Ray's Prometheus endpoint is read every 2 s and the Grafana dashboard's main panels are drawn
+from it (benchmarks/metrics_sampler.py). Writes runs/bench/load.json, load.md and load_dashboard.png.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import grpc
 
+from warpspec.benchmarks.metrics_sampler import MetricsSampler, plot
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 from warpspec.serving.serve_cli import free_local_port
@@ -443,19 +445,25 @@ def main(argv: list[str] | None = None) -> int:
                    "max_waiting_requests": 4096}
     prompts = held_out_prompts()[:6]
     parts, priority_part = [], None
+    metrics_port = next(node["MetricsExportPort"] for node in ray.nodes() if node["Alive"])
+    sampler = MetricsSampler(f"http://127.0.0.1:{metrics_port}/metrics").start()
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=free_local_port()),
                     grpc_options=gRPCOptions(port=port, grpc_servicer_functions=GRPC_SERVICER_FUNCTIONS))
         target = f"127.0.0.1:{port}"
+        sampler.mark("plain")
         parts.append(run_deployment("load-plain", target, args.model, engine_args, args, prompts, args.rounds))
         if args.spec_rounds:
             spec_args = {**engine_args, "draft": args.draft}
+            sampler.mark("EAGLE-3")
             parts.append(run_deployment("load-eagle3", target, args.model, spec_args, args, prompts,
                                         args.spec_rounds))
         if args.priorities is not None:
+            sampler.mark("priorities")
             priority_part = run_priorities(target, args.model,
                                            {**engine_args, "max_num_seqs": args.priority_max_num_seqs}, args)
     finally:
+        sampler.stop()
         serve.shutdown()
         ray.shutdown()
     wall = time.perf_counter() - start
@@ -481,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"Priorities: max_num_seqs {args.priority_max_num_seqs}, the same {args.requests} requests "
                   f"with every priority equal, then in classes {priority_part['classes']} (lower first); completed "
                   "requests only", "", priority_table(priority_part["rows"])]
+    try:
+        plot(sampler.samples, sampler.marks, f"warpspec bench load: the dashboard's panels ({args.clients} clients)",
+             out_dir / "load_dashboard.png")
+        lines.append(f"\nThe dashboard's panels over the run ({len(sampler.samples)} reads of Ray's metrics endpoint): "
+                     f"{out_dir / 'load_dashboard.png'}")
+    except ImportError:  # matplotlib comes with the bench extra
+        lines.append("\nmatplotlib is not installed (pip install 'warpspec[bench]'): no plot of the dashboard's panels")
     failed = [f"{name}: {'; '.join(ps)}" for name, ps in problems.items() if ps]
     lines.append("\nall checks passed" if not failed else "\nFAILED: " + " | ".join(failed))
     text = "\n".join(lines) + "\n"
