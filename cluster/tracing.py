@@ -7,7 +7,9 @@ OTLP/HTTP receiver in batches (the SDK's BatchSpanProcessor, which OTEL_BSP_* tu
 OTEL_TRACES_SAMPLER picks which requests are traced (default: every one).
 
 A request's spans, named and attributed after OpenTelemetry's GenAI semantic conventions where they
-apply (gen_ai.operation.name, gen_ai.request.*, gen_ai.usage.*, gen_ai.response.finish_reasons):
+apply (gen_ai.operation.name, gen_ai.request.*, gen_ai.usage.*, gen_ai.response.finish_reasons),
+under the gRPC proxy's "warpspec.v1.Generation/<Method>" where the proxy traces too
+(serving/grpc_servicers.py):
 - "{operation} {model}": the replica front, from the request's arrival to its last message; a child
   of the client's W3C `traceparent` (gRPC metadata or HTTP header) when it sends a valid one;
 - "validate and tokenize": the front end's checks and the prompt's tokens;
@@ -117,7 +119,7 @@ class RequestTrace:
                         "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
                         **({"gen_ai.request.seed": params.seed} if params.seed is not None else {}),
                         "warpspec.request.id": request_id or "", "warpspec.request.priority": params.priority})
-        self.context = _context_of(self.root)
+        self.context = set_span_in_context(self.root)
         self.arrival_ns: int | None = None
         self.first_output_ns: int | None = None
         self.events: list[tuple[str, dict, int]] = []  # the decode span's, until it is made at the end
@@ -188,7 +190,8 @@ class RequestTrace:
         self.root.end()
 
 
-def _context_of(span: Span):
+def set_span_in_context(span: Span):
+    """A context whose current span is span (a parent for spans started under it, or to inject)."""
     from opentelemetry import trace
 
     return trace.set_span_in_context(span)

@@ -26,6 +26,11 @@ answered here instead while the application has no running replica: NOT_SERVING 
 Serve's status (`serve.status()`, at most once a second). Once a replica runs, it answers itself
 (NOT_SERVING while it rebuilds after a failure).
 
+Traces. Where the proxy's environment asks for traces (the OTEL_* variables: the proxy reads no serve
+option), each Generation call gets a span here, "warpspec.v1.Generation/<Method>", a child of the
+client's traceparent; the replica sees this span's traceparent in the call's metadata instead of the
+client's, so its spans (warpspec/tracing.py) hang under the proxy's in the same trace.
+
 A replica that dies mid-request (its node or process gone). The proxy reports Ray's ActorDiedError /
 ActorUnavailableError as INTERNAL ("The actor ... is unavailable"), though the request did nothing
 wrong and another replica can serve it: `_lost_replica_is_unavailable` makes that UNAVAILABLE, the
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import re
 import time
@@ -46,6 +52,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb
+from warpspec.tracing import TRACER_NAME, configure_tracing, parent_context, set_span_in_context
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 
@@ -133,6 +140,54 @@ def _cancel_propagating(stream_handler):
     return handler
 
 
+@functools.cache
+def _proxy_tracer():
+    """This proxy's tracer, or None where its environment asks for no traces (read once)."""
+    provider = configure_tracing(service_name="warpspec-proxy")
+    return None if provider is None else provider.get_tracer(TRACER_NAME)
+
+
+class _ContextWithMetadata:
+    """The call's context as Serve's proxy reads it, with other invocation metadata."""
+
+    def __init__(self, context, metadata: tuple[tuple[str, str], ...]):
+        self._context, self._metadata = context, metadata
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+
+def _traced(handler, method: str):
+    """handler (request, context) in a server span of the proxy's, whose traceparent replaces the
+    client's in what the replica receives; handler itself where tracing is off."""
+    tracer = _proxy_tracer()
+    if tracer is None:
+        return handler
+
+    async def traced(request, context):
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        metadata = tuple(context.invocation_metadata() or ())
+        span = tracer.start_span(method, context=parent_context(dict(metadata)), kind=SpanKind.SERVER,
+                                 attributes={"rpc.system": "grpc", "rpc.service": SERVICE.full_name,
+                                             "rpc.method": method.rsplit("/", 1)[-1]})
+        carrier: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(span))
+        ours = tuple((k, v) for k, v in metadata if k.lower() not in ("traceparent", "tracestate"))
+        try:
+            return await handler(request, _ContextWithMetadata(context, ours + tuple(carrier.items())))
+        finally:
+            code = context.code()
+            if code not in (None, grpc.StatusCode.OK):
+                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {(context.details() or '')[:160]}"))
+            span.end()
+    return traced
+
+
 class GenerationHandlers(grpc.ServiceRpcHandler):
     """The service's method handlers. Serve's gRPC proxy replaces `_method_handlers` with its own
     routing handlers after registration (grpc_util.gRPCGenericServer.add_generic_rpc_handlers), so
@@ -146,10 +201,12 @@ class GenerationHandlers(grpc.ServiceRpcHandler):
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._method_handlers.get(handler_call_details.method)
+        method = handler_call_details.method.lstrip("/")
         if handler is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            handler = handler._replace(unary_stream=_cancel_propagating(handler.unary_stream))
+            handler = handler._replace(unary_stream=_traced(_cancel_propagating(handler.unary_stream), method))
         elif handler is not None and inspect.iscoroutinefunction(handler.unary_unary):
-            handler = handler._replace(unary_unary=_unary_reporting_lost_replicas(handler.unary_unary))
+            handler = handler._replace(unary_unary=_traced(_unary_reporting_lost_replicas(handler.unary_unary),
+                                                           method))
         return handler
 
 

@@ -1,14 +1,24 @@
 """Request traces (warpspec/tracing.py) through the replica front: one trace per request under the
 client's W3C traceparent (gRPC metadata and HTTP headers), the phase spans in order with GenAI
-attributes, a failed request's error, a malformed traceparent ignored, and the real OTLP/HTTP
-exporter posting to a receiver on loopback."""
+attributes, a failed request's error, a malformed traceparent ignored, the real OTLP/HTTP exporter
+posting to a receiver on loopback, and through Ray Serve the gRPC proxy's span above the replica's."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -122,27 +132,46 @@ def test_the_http_traceparent_header_is_honoured(serving_checkpoint):
     assert spans["chat tiny"].attributes["gen_ai.operation.name"] == "chat"
 
 
-class _Receiver(BaseHTTPRequestHandler):
-    bodies: list[tuple[str, str, bytes]] = []
+@contextmanager
+def otlp_receiver() -> Iterator[tuple[str, list[bytes]]]:
+    """An OTLP/HTTP receiver on loopback: (its /v1/traces URL, the bodies posted to it so far)."""
+    bodies: list[bytes] = []
 
-    def do_POST(self):  # noqa: N802 - http.server's name
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        _Receiver.bodies.append((self.path, self.headers["Content-Type"], body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-        self.wfile.write(b"")
+    class Receive(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/traces" and self.headers["Content-Type"] == "application/x-protobuf":
+                bodies.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
 
-    def log_message(self, *args):
-        pass
+        def log_message(self, *args):
+            pass
 
-
-def test_spans_reach_an_otlp_http_receiver_through_the_real_exporter(serving_checkpoint):
-    server = HTTPServer(("127.0.0.1", 0), _Receiver)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receive)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        provider = configure_tracing(f"http://127.0.0.1:{server.server_port}/v1/traces")
+        yield f"http://127.0.0.1:{server.server_port}/v1/traces", bodies
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def received_spans(bodies: list[bytes]) -> list[tuple[str, object]]:
+    """(service.name, span) for every span in the posted ExportTraceServiceRequests."""
+    spans = []
+    for body in bodies:
+        for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+            service = next(a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name")
+            spans += [(service, span) for scope in resource_spans.scope_spans for span in scope.spans]
+    return spans
+
+
+def test_spans_reach_an_otlp_http_receiver_through_the_real_exporter(serving_checkpoint):
+    with otlp_receiver() as (url, bodies):
+        provider = configure_tracing(url)
 
         async def main():
             frontend = _traced_frontend(serving_checkpoint, provider.get_tracer(TRACER_NAME))
@@ -151,20 +180,42 @@ def test_spans_reach_an_otlp_http_receiver_through_the_real_exporter(serving_che
 
         asyncio.run(main())
         provider.shutdown()  # sends what the batch still holds
-    finally:
-        server.shutdown()
-        thread.join()
-    assert _Receiver.bodies and all(path == "/v1/traces" and kind == "application/x-protobuf"
-                                    for path, kind, _ in _Receiver.bodies)
-    spans, services = [], set()
-    for _, _, body in _Receiver.bodies:
-        export = ExportTraceServiceRequest.FromString(body)
-        for resource_spans in export.resource_spans:
-            services |= {a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"}
-            spans += [span for scope in resource_spans.scope_spans for span in scope.spans]
-    assert services == {"warpspec"}
-    assert sorted(span.name for span in spans) == sorted(["text_completion tiny", *PHASES])
-    assert {span.trace_id.hex() for span in spans} == {TRACE_ID}
+    spans = received_spans(bodies)
+    assert {service for service, _ in spans} == {"warpspec"}
+    assert sorted(span.name for _, span in spans) == sorted(["text_completion tiny", *PHASES])
+    assert {span.trace_id.hex() for _, span in spans} == {TRACE_ID}
+
+
+@pytest.mark.slow
+def test_through_serve_the_proxys_span_is_the_parent_of_the_replicas(serving_checkpoint):
+    """A private cluster whose environment asks for traces (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): the
+    gRPC proxy and the replica both export, and a request is one trace: client -> proxy -> replica."""
+    temp_dir = tempfile.mkdtemp(prefix="ws-trace-")  # Ray's unix sockets need a short path
+    with otlp_receiver() as (url, bodies):
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
+            "RAY_AUTH_MODE": "disabled", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        command = [sys.executable, str(Path(__file__).with_name("traced_stack.py")), str(serving_checkpoint),
+                   TRACEPARENT, temp_dir]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child and the Ray processes it started
+            out, err = proc.communicate()
+            pytest.fail(f"the traced stack took over 5 minutes: {err[-3000:]}")
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"num_tokens": 4}
+        spans = received_spans(bodies)
+    by_name = {span.name: (service, span) for service, span in spans}
+    assert {"warpspec.v1.Generation/GenerateStream", "text_completion tiny", *PHASES} <= set(by_name), sorted(by_name)
+    proxy_service, proxy = by_name["warpspec.v1.Generation/GenerateStream"]
+    replica_service, replica = by_name["text_completion tiny"]
+    assert (proxy_service, replica_service) == ("warpspec-proxy", "warpspec")
+    assert proxy.trace_id.hex() == replica.trace_id.hex() == TRACE_ID
+    assert proxy.parent_span_id.hex() == PARENT_SPAN_ID and replica.parent_span_id == proxy.span_id
 
 
 def test_tracing_is_off_unless_an_option_or_the_otel_variables_ask(monkeypatch):
