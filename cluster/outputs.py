@@ -37,6 +37,8 @@ class RequestOutput:
     # The engine steps this output covers and the drafts they verified (0 without speculation).
     num_steps: int = 0
     num_draft_tokens: int = 0
+    # On the first output: the steps that ran the prompt, as (start, end) seconds since arrival and tokens.
+    prefill_chunks: tuple[tuple[float, float, int], ...] = ()
 
     @property
     def finished(self) -> bool:

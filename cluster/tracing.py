@@ -14,8 +14,9 @@ under the gRPC proxy's "warpspec.v1.Generation/<Method>" where the proxy traces 
   of the client's W3C `traceparent` (gRPC metadata or HTTP header) when it sends a valid one;
 - "validate and tokenize": the front end's checks and the prompt's tokens;
 - "queue": waiting in the engine core for its first step;
-- "prefill": from its first step to its first token (every prefill chunk; the span says how many
-  prompt tokens came from the prefix cache);
+- "prefill": from its first step to its first token (the span says how many prompt tokens came from
+  the prefix cache), with a "prefill chunk" span for each step that ran prompt tokens (chunked
+  prefill splits a long prompt over several);
 - "decode": from the first token to the end, with an event per reply from the core: the tokens it
   brought, the steps it covers, and with a draft the drafts verified and accepted (a reply covers
   several steps when core_reply_interval_ms merges them: the counts are then their sums);
@@ -122,6 +123,7 @@ class RequestTrace:
         self.context = set_span_in_context(self.root)
         self.arrival_ns: int | None = None
         self.first_output_ns: int | None = None
+        self.prefill_chunks: tuple[tuple[float, float, int], ...] = ()
         self.events: list[tuple[str, dict, int]] = []  # the decode span's, until it is made at the end
 
     @property
@@ -139,6 +141,7 @@ class RequestTrace:
         """An output from the engine core, in order. The core's times come with the last one (its
         metrics), so the phase spans are made then."""
         now = time.time_ns()
+        self.prefill_chunks += out.prefill_chunks
         if out.new_token_ids:
             if self.first_output_ns is None:
                 self.first_output_ns = now
@@ -161,6 +164,10 @@ class RequestTrace:
             "gen_ai.usage.input_tokens": int(metrics.get("prompt_tokens", 0)),
             "warpspec.cached_prompt_tokens": int(metrics.get("cached_prompt_tokens", 0))})
         prefill.end(max(queue_end, first_token))
+        prefill_context = set_span_in_context(prefill)
+        for start_s, end_s, num_tokens in self.prefill_chunks:
+            self.tracer.start_span("prefill chunk", context=prefill_context, start_time=arrival + _ns(start_s),
+                                   attributes={"warpspec.prefill.tokens": num_tokens}).end(arrival + _ns(end_s))
         decode = self.tracer.start_span("decode", context=self.context, start_time=first_token)
         for name, attributes, at in self.events:
             decode.add_event(name, attributes, at)

@@ -324,7 +324,7 @@ class EngineCore:
             raise StepFailedError.caused_by([request_id for request_id, _ in failed], failed[0][1])
 
     def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestDelta]:
-        now = time.perf_counter()
+        now = run_start = time.perf_counter()
         plan = []
         padded_len = self._padded_len(sched.scheduled)
         for item in sched.scheduled:
@@ -359,6 +359,11 @@ class EngineCore:
         num_rejected: dict[str, int] = {}
         outputs, finished = [], []
         now = time.perf_counter()
+        for item in sched.scheduled:
+            seq, prompt_len = item.seq, len(item.seq.prompt_token_ids)
+            num_prompt = min(prompt_len, item.num_cached + len(item.token_ids)) - item.num_cached
+            if num_prompt > 0 and seq.first_token_time is None:
+                seq.prefill_chunks.append((run_start - seq.arrival_time, now - seq.arrival_time, num_prompt))
         for item, (tokens, logprobs) in zip(sched.scheduled, emitted, strict=True):
             if tokens is None:
                 continue

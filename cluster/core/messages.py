@@ -43,6 +43,9 @@ class RequestDelta:
     metrics: dict[str, float] = field(default_factory=dict)  # on the first delta and the last
     num_draft_tokens: int = 0  # drafts this step verified: new_token_ids holds the accepted ones plus one
     num_steps: int = 1  # steps merged into this delta (then)
+    # On the request's first delta: each step that ran prompt tokens before it, as (start, end) seconds
+    # since the request arrived and the prompt tokens it ran.
+    prefill_chunks: tuple[tuple[float, float, int], ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -57,7 +60,7 @@ class RequestDelta:
                             later.stop_reason, logprobs,
                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
                             {**self.metrics, **later.metrics}, self.num_draft_tokens + later.num_draft_tokens,
-                            self.num_steps + later.num_steps)
+                            self.num_steps + later.num_steps, self.prefill_chunks + later.prefill_chunks)
 
 
 @dataclass

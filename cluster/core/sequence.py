@@ -38,6 +38,8 @@ class Sequence:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
+    # Steps that ran its prompt tokens: (start, end) seconds since arrival and tokens, until handed out.
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
     first_token_time: float | None = None
     finish_time: float | None = None
     # Prompt then outputs; what the model has seen or will see.
@@ -106,7 +108,8 @@ class Sequence:
         logprobs = self.new_logprobs
         if logprobs is not None:
             self.new_logprobs = []
+        chunks, self.prefill_chunks = tuple(self.prefill_chunks), []
         return RequestDelta(self.request_id, tokens, self.finish_reason, self.stop_reason, logprobs,
                             self.prompt_logprobs if is_first else None,
                             self.metrics() if is_first or self.finish_reason is not None else {},
-                            num_draft_tokens)
+                            num_draft_tokens, prefill_chunks=chunks)

@@ -151,6 +151,7 @@ class OutputProcessor:
                 metrics = delta.metrics
             out = state.output(state.token_ids[num_before:], metrics)
             out.num_steps, out.num_draft_tokens = delta.num_steps, delta.num_draft_tokens
+            out.prefill_chunks = delta.prefill_chunks
             outputs.append(out)
             if state.finish_reason is not None:
                 del self.requests[delta.request_id]

@@ -311,4 +311,5 @@ def _merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         last.new_text = "".join(o.new_text for o in outputs)
         last.num_steps = sum(o.num_steps for o in outputs)
         last.num_draft_tokens = sum(o.num_draft_tokens for o in outputs)
+        last.prefill_chunks = tuple(chunk for o in outputs for chunk in o.prefill_chunks)
     return last

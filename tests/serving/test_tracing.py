@@ -41,7 +41,8 @@ from warpspec.tracing import TRACER_NAME, configure_tracing, tracing_requested
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"
-PHASES = ["validate and tokenize", "queue", "prefill", "decode", "detokenize and stream"]
+PHASES = ["validate and tokenize", "queue", "prefill", "decode", "detokenize and stream"]  # the request's children
+SPANS = ["prefill chunk", *PHASES]  # below the request's span, for a prompt that fits one step
 
 
 def _request(max_tokens: int = 6) -> pb.GenerateRequest:
@@ -50,7 +51,8 @@ def _request(max_tokens: int = 6) -> pb.GenerateRequest:
 
 
 def _traced_frontend(checkpoint, tracer) -> ReplicaFrontend:
-    llm = AsyncLLM.from_options(str(checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=32)
+    llm = AsyncLLM.from_options(str(checkpoint), dtype="float32", max_model_len=128, num_kv_blocks=32,
+                                max_num_batched_tokens=16)
     return ReplicaFrontend(llm, "tiny", tracer=tracer)
 
 
@@ -79,18 +81,24 @@ def test_a_request_is_one_trace_of_its_phases_under_the_clients_traceparent(serv
         with pytest.raises(InvalidRequestError):
             await service.generate(too_long)
         failed = exporter.get_finished_spans()
+        exporter.clear()
+        # 40 prompt tokens in steps of 16: three chunks.
+        await service.generate(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=list(range(3, 43))),
+                                                  params=_request(2).params))
+        chunked = exporter.get_finished_spans()
         await frontend.shutdown()
-        return reply, traced, malformed, failed
+        return reply, traced, malformed, failed, chunked
 
     with caplog.at_level(logging.WARNING, logger="warpspec.tracing"):
-        reply, traced, malformed, failed = asyncio.run(main())
+        reply, traced, malformed, failed, chunked = asyncio.run(main())
 
     spans = _by_name(traced)
-    assert sorted(spans) == sorted(["text_completion tiny", *PHASES])
+    assert sorted(spans) == sorted(["text_completion tiny", *SPANS])
     root = spans["text_completion tiny"]
     assert {format(s.context.trace_id, "032x") for s in traced} == {TRACE_ID}
     assert format(root.parent.span_id, "016x") == PARENT_SPAN_ID and root.parent.is_remote
     assert all(spans[name].parent.span_id == root.context.span_id for name in PHASES)
+    assert spans["prefill chunk"].parent.span_id == spans["prefill"].context.span_id
     assert root.attributes["gen_ai.request.model"] == "tiny" and root.attributes["gen_ai.request.max_tokens"] == 6
     assert root.attributes["gen_ai.usage.output_tokens"] == len(reply.token_ids) == 6
     assert root.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
@@ -114,6 +122,13 @@ def test_a_request_is_one_trace_of_its_phases_under_the_clients_traceparent(serv
     for span in spans.values():
         assert span.status.status_code == StatusCode.ERROR and "max_model_len 128" in span.status.description
 
+    # Chunked prefill: a span per step that ran prompt tokens, in order, inside the prefill span.
+    chunks = sorted((s for s in chunked if s.name == "prefill chunk"), key=lambda s: s.start_time)
+    prefill = _by_name(chunked)["prefill"]
+    assert [c.attributes["warpspec.prefill.tokens"] for c in chunks] == [16, 16, 8]
+    assert all(earlier.end_time <= later.start_time for earlier, later in zip(chunks, chunks[1:], strict=False))
+    assert prefill.start_time <= chunks[0].start_time + 1000 and chunks[-1].end_time <= prefill.end_time + 1000
+
 
 def test_the_http_traceparent_header_is_honoured(serving_checkpoint):
     exporter = InMemorySpanExporter()
@@ -127,7 +142,7 @@ def test_the_http_traceparent_header_is_honoured(serving_checkpoint):
         assert reply.status_code == 200, reply.text
         client.portal.call(frontend.shutdown)
     spans = _by_name(exporter.get_finished_spans())
-    assert sorted(spans) == sorted(["chat tiny", *PHASES])
+    assert sorted(spans) == sorted(["chat tiny", *SPANS])
     assert format(spans["chat tiny"].context.trace_id, "032x") == TRACE_ID
     assert spans["chat tiny"].attributes["gen_ai.operation.name"] == "chat"
 
@@ -182,7 +197,7 @@ def test_spans_reach_an_otlp_http_receiver_through_the_real_exporter(serving_che
         provider.shutdown()  # sends what the batch still holds
     spans = received_spans(bodies)
     assert {service for service, _ in spans} == {"warpspec"}
-    assert sorted(span.name for _, span in spans) == sorted(["text_completion tiny", *PHASES])
+    assert sorted(span.name for _, span in spans) == sorted(["text_completion tiny", *SPANS])
     assert {span.trace_id.hex() for _, span in spans} == {TRACE_ID}
 
 
@@ -210,7 +225,7 @@ def test_through_serve_the_proxys_span_is_the_parent_of_the_replicas(serving_che
         assert json.loads(out.strip().splitlines()[-1]) == {"num_tokens": 4}
         spans = received_spans(bodies)
     by_name = {span.name: (service, span) for service, span in spans}
-    assert {"warpspec.v1.Generation/GenerateStream", "text_completion tiny", *PHASES} <= set(by_name), sorted(by_name)
+    assert {"warpspec.v1.Generation/GenerateStream", "text_completion tiny", *SPANS} <= set(by_name), sorted(by_name)
     proxy_service, proxy = by_name["warpspec.v1.Generation/GenerateStream"]
     replica_service, replica = by_name["text_completion tiny"]
     assert (proxy_service, replica_service) == ("warpspec-proxy", "warpspec")
