@@ -374,28 +374,25 @@ def _wait_until(predicate, timeout_s: float) -> bool:
     return True
 
 
-def verdict(part: dict) -> list[str]:
-    """What failed in one deployment's part of the report (empty: everything held)."""
+def verdict_of_requests(part: dict) -> list[str]:
+    """What failed in a part's requests and KV blocks (the priority deployment's whole verdict)."""
     problems = []
     if part["num_unexpected"]:
         problems.append(f"{part['num_unexpected']} requests did not get their tokens or expected status")
     if any(free != total for free, total in part["kv_free_after_each_round"]):
         problems.append(f"KV blocks leaked: {part['kv_free_after_each_round']}")
+    return problems
+
+
+def verdict(part: dict) -> list[str]:
+    """What failed in one deployment's part of the report (empty: everything held)."""
+    problems = verdict_of_requests(part)
     if part["orphan_actors"] or part["orphan_placement_groups"] or not part["released_after_delete"]:
         problems.append("orphan actors or placement groups")
     if part["rss_growth_last_round"] >= MAX_RSS_GROWTH:
         problems.append(f"RSS grew {100 * part['rss_growth_last_round']:.1f}% in the last round")
     if not part["deterministic"]:
         problems.append("greedy outputs differ alone vs amid the load")
-    return problems
-
-
-def verdict_of_priorities(part: dict) -> list[str]:
-    problems = []
-    if part["num_unexpected"]:
-        problems.append(f"{part['num_unexpected']} requests did not get their tokens or expected status")
-    if any(free != total for free, total in part["kv_free_after_each_round"]):
-        problems.append(f"KV blocks leaked: {part['kv_free_after_each_round']}")
     return problems
 
 
@@ -471,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
     problems = {p["name"]: verdict(p) for p in parts}
     if priority_part is not None:
-        problems[priority_part["name"]] = verdict_of_priorities(priority_part)
+        problems[priority_part["name"]] = verdict_of_requests(priority_part)
     report = {"clients": args.clients, "requests_per_round": args.requests, "mix": MIX, "wall_s": wall,
               "parts": parts, "priorities": priority_part, "problems": problems}
     out_dir = Path(args.run_dir, "bench")

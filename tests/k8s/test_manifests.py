@@ -10,13 +10,7 @@ import fnmatch
 import importlib
 import importlib.util
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -24,6 +18,7 @@ import jsonschema
 import pytest
 import yaml
 from grafana_dashboard import DASHBOARD, dashboard_metrics
+from private_cluster import run_on_private_cluster
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema, gRPCOptionsSchema
 
 from warpspec.serving.grpc_service import LIVENESS_SERVICE_NAME, READINESS_SERVICE_NAMES
@@ -339,22 +334,9 @@ def test_image_matches_dockerfile_and_dockerignore_keeps_the_package():
 def test_serve_config_file_deploys_and_answers_grpc_health_and_http():
     # deploy/serve_config.yaml as `serve deploy` runs it (the controller builds import_path with args),
     # on the bundled model pair it names: what the k8s probes and clients rely on, minus the GPUs.
-    temp_dir = tempfile.mkdtemp(prefix="ws-k8s-")  # Ray's unix sockets need a short path
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_AUTH_MODE": "disabled"}
-    command = [sys.executable, str(Path(__file__).with_name("deploy_config.py")), str(SERVE_CONFIG),
-               str(free_local_port()), str(free_local_port()), temp_dir]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the child and the Ray processes it started
-        out, err = proc.communicate()
-        pytest.fail(f"deploying {SERVE_CONFIG.name} took over 6 minutes: {err[-3000:]}")
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    assert proc.returncode == 0, err[-3000:]
-    report = json.loads(out.strip().splitlines()[-1])
+    report = run_on_private_cluster(Path(__file__).with_name("deploy_config.py"),
+                                    [str(SERVE_CONFIG), str(free_local_port()), str(free_local_port())],
+                                    f"deploying {SERVE_CONFIG.name}", 360, cwd=REPO)
     assert report["status"] == "RUNNING", f"{SERVE_CONFIG.name} failed to deploy: {report['message'][-2000:]}"
     assert report["health"] == "SERVING" and report["liveness"] == "SERVING"
     assert report["num_generated"] >= 1

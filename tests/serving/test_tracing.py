@@ -6,14 +6,7 @@ posting to a receiver on loopback, and through Ray Serve the gRPC proxy's span a
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from private_cluster import run_on_private_cluster
 from starlette.testclient import TestClient
 
 from warpspec import tracing
@@ -205,24 +199,11 @@ def test_spans_reach_an_otlp_http_receiver_through_the_real_exporter(serving_che
 def test_through_serve_the_proxys_span_is_the_parent_of_the_replicas(serving_checkpoint):
     """A private cluster whose environment asks for traces (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): the
     gRPC proxy and the replica both export, and a request is one trace: client -> proxy -> replica."""
-    temp_dir = tempfile.mkdtemp(prefix="ws-trace-")  # Ray's unix sockets need a short path
     with otlp_receiver() as (url, bodies):
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
-            "RAY_AUTH_MODE": "disabled", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-        command = [sys.executable, str(Path(__file__).with_name("traced_stack.py")), str(serving_checkpoint),
-                   TRACEPARENT, temp_dir]
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child and the Ray processes it started
-            out, err = proc.communicate()
-            pytest.fail(f"the traced stack took over 5 minutes: {err[-3000:]}")
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        assert proc.returncode == 0, err[-3000:]
-        assert json.loads(out.strip().splitlines()[-1]) == {"num_tokens": 4}
+        tracing_env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        report = run_on_private_cluster(Path(__file__).with_name("traced_stack.py"),
+                                        [str(serving_checkpoint), TRACEPARENT], "the traced stack", 300, tracing_env)
+        assert report == {"num_tokens": 4}
         spans = received_spans(bodies)
     by_name = {span.name: (service, span) for service, span in spans}
     assert {"warpspec.v1.Generation/GenerateStream", "text_completion tiny", *SPANS} <= set(by_name), sorted(by_name)
