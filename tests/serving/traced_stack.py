@@ -7,6 +7,7 @@ keep theirs running on the shared cluster without traces."""
 import json
 import os
 import sys
+import time
 
 import grpc
 import ray
@@ -29,7 +30,11 @@ def main(checkpoint: str, traceparent: str, temp_dir: str) -> dict:
                 max_tokens=4, temperature=0.0, ignore_eos=True))
             replies = rpc.GenerationStub(channel).GenerateStream(request, metadata=[("traceparent", traceparent)],
                                                                  timeout=120)
-            return {"num_tokens": sum(len(reply.token_ids) for reply in replies)}
+            num_tokens = sum(len(reply.token_ids) for reply in replies)
+        # The proxy exports its spans every OTEL_BSP_SCHEDULE_DELAY ms (the test sets 100) and is
+        # stopped without a flush: give its last batch time to go out.
+        time.sleep(3)
+        return {"num_tokens": num_tokens}
     finally:
         serve.shutdown()  # the replica's tracer sends what it holds as the replica stops
         ray.shutdown()
