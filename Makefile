@@ -46,8 +46,10 @@ gpu-check:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# Two test processes: the tests that use Ray in one, one at a time; the rest shared out (tests/conftest.py).
+TEST_PROCESSES ?= 2
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) $(RUN_DIR) .pytest_cache .ruff_cache
