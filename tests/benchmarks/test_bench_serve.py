@@ -16,6 +16,7 @@ from warpspec.training.random_checkpoint import create_random_checkpoint
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # its own Ray and Serve, in a subprocess
 def test_bench_serve_writes_its_side_by_side_table(tmp_path):
     model = create_random_checkpoint(tmp_path / "model", "tiny")
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

@@ -30,6 +30,7 @@ JOIN_AND_GENERATE = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # a cluster of its own, in a holder process
 def test_llm_joins_the_cluster_named_by_ray_address(tmp_path):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     temp_dir = tmp_path / "r"
