@@ -85,6 +85,17 @@ def _greedy(stub, app: str, max_tokens: int = 16) -> list[int]:
     return list(stub.Generate(request, timeout=60, metadata=_metadata(app)).token_ids)
 
 
+def _health(health, app: str) -> int | None:
+    """The app's health status; None while a check outlasts its 10 s (a replica rebuilding on busy
+    cores answers late, and the wait around it decides how late is too late)."""
+    try:
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=10, metadata=_metadata(app)).status
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+        return None
+
+
 def _stream(stub, app: str, max_tokens: int) -> Stream:
     """A greedy stream of the app's, in a thread once started."""
     return Stream(stub, max_tokens, prompt=[1, 2, 3], metadata=_metadata(app), timeout_s=120)
@@ -131,8 +142,8 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
     with pytest.raises(urllib.error.HTTPError) as http_refused:
         urllib.request.urlopen(request, timeout=10)
     assert http_refused.value.code == 503
-    wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
-              health_pb2.HealthCheckResponse.SERVING, 90, "the replica to serve again")
+    wait_for(lambda: _health(health, FAULT_APP) == health_pb2.HealthCheckResponse.SERVING, 90,
+             "the replica to serve again")
 
     after = handle.processes.remote().result()
     assert after.pid == before.pid, "Serve replaced the replica instead of it rebuilding"
@@ -172,8 +183,8 @@ def test_a_stuck_coordinator_fails_its_requests_and_the_replica_rebuilds(fault_a
             health_pb2.HealthCheckResponse.NOT_SERVING
         # Rebuilt in place, as for a dead coordinator: the stuck one is killed without a shutdown call
         # it could never answer (waiting out that call's 30 s, Serve's health checks replaced the replica).
-        wait_for(lambda: health.Check(check, timeout=10, metadata=_metadata(FAULT_APP)).status ==
-                  health_pb2.HealthCheckResponse.SERVING, 120, "the replica to serve again")
+        wait_for(lambda: _health(health, FAULT_APP) == health_pb2.HealthCheckResponse.SERVING, 120,
+                 "the replica to serve again")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(before.coordinator_pid, signal.SIGKILL)
@@ -190,7 +201,11 @@ def test_scale_down_finishes_short_requests_cuts_off_long_ones_and_releases_ever
     baseline = (_alive_actors(), _live_placement_groups())
     drain_s = 3.0  # requests in flight may run this long once scale-down starts
     _deploy(app, serving_stack.model_path, drain_timeout_s=drain_s)
-    assert _live_placement_groups() == baseline[1] + 1
+    try:
+        assert _live_placement_groups() == baseline[1] + 1
+    except AssertionError:
+        serve.delete(app)  # no app left behind for the modules after this one
+        raise
     with grpc.insecure_channel(serving_stack.grpc_target) as channel:
         stub = pb_grpc.GenerationStub(channel)
         short = [_stream(stub, app, max_tokens=40) for _ in range(2)]
