@@ -82,6 +82,7 @@ class VLLMPeer:
 
     def __init__(self, python: str, target: Path, draft: Path, dtype: str, work_dir: Path,
                  num_speculative_tokens: int = 3, max_model_len: int = 1024):
+        python = os.path.abspath(python)  # it starts in a folder of its own; a venv's python is a link to keep
         work_dir.mkdir(parents=True, exist_ok=True)
         args = {"target": str(target.resolve()), "draft": str(vllm_draft(draft, work_dir / "draft").resolve()),
                 "dtype": dtype, "max_model_len": max_model_len, "hf_overrides": hf_overrides(target),
@@ -89,6 +90,10 @@ class VLLMPeer:
         self.log_path = work_dir / "vllm.log"
         self.cwd = Path(tempfile.mkdtemp(prefix="vllm-peer-"))  # outside the repository: see the process file
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        # vLLM's CPU install guide preloads Intel's OpenMP (its wheel brings it) for best performance.
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
         self.process = subprocess.Popen(
             [python, "-I", str(PROCESS), json.dumps(args)], cwd=self.cwd, text=True, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log_path.open("w"), env={**_environ(), **env})
@@ -139,8 +144,12 @@ def _environ() -> dict:
 
 def check_python(python: str) -> None:
     """Refuse a --vllm that is not a Python with vLLM, before any engine starts."""
-    found = subprocess.run([python, "-I", "-c", "import importlib.util as u; print(u.find_spec('vllm') is not None)"],
-                           capture_output=True, text=True, cwd=tempfile.gettempdir())
-    if found.returncode != 0 or found.stdout.strip() != "True":
+    probe = "import importlib.util as u; print(u.find_spec('vllm') is not None)"
+    try:
+        found = subprocess.run([os.path.abspath(python), "-I", "-c", probe], capture_output=True, text=True,
+                               cwd=tempfile.gettempdir()).stdout.strip() == "True"
+    except OSError:  # no such file, not executable
+        found = False
+    if not found:
         raise SystemExit(f"--vllm: {python} is not a Python with vLLM installed (make vllm-peer builds one: "
                          f"runs/vllm-venv/bin/python)")

@@ -49,7 +49,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # The other test process runs at this niceness: the Ray tests (serving, faults, multi-node) time
 # health checks, watchdogs and drains, and two processes compiling beside them on 2 cores made a
 # stuck-coordinator test miss its deadlines. Niced, the rest of the suite takes the cycles they leave.
-NICE = 10
+# Ray runs its actors at nice 15 (its worker_niceness): below them, 19.
+NICE = 19
 HOSTS_RAY: list[bool] = []  # this test process has run a Ray test
 
 
