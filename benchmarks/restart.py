@@ -1,9 +1,9 @@
 """`warpspec bench restart`: how soon `warpspec serve` answers, as a health check and a user see it.
 It launches the command a user runs (the bundled pair with its draft by default), polls gRPC health
 from launch until SERVING, times the first requests' TTFT against the tenth's (nothing may compile on
-the request path), then SIGKILLs a worker and then the coordinator and times each rebuild until
-SERVING again, with one request after each. --cold gives it a new run folder (nothing cached);
-otherwise a second run over the same folder reads the compile cache the first one wrote.
+the request path), then SIGKILLs a worker and then the coordinator, each under a request, and
+times each rebuild until SERVING again, with one request after each. --cold gives it a new run
+folder (nothing cached); otherwise a run reads the compile cache the last one wrote there.
 """
 
 from __future__ import annotations
@@ -74,10 +74,24 @@ def victim_pid(serve: subprocess.Popen, victim: str) -> int:
     raise SystemExit(f"no {title} process under warpspec serve (pid {serve.pid})")
 
 
-def kill_and_time_rebuild(channel: grpc.Channel, serve: subprocess.Popen, victim: str, timeout_s: float) -> float:
-    """SIGKILL the victim; seconds until health is SERVING again, having seen it leave SERVING."""
+def kill_and_time_rebuild(channel: grpc.Channel, serve: subprocess.Popen, victim: str, prompt: list[int],
+                          timeout_s: float) -> float:
+    """SIGKILL the victim under a request; seconds until health is SERVING again, having seen it
+    leave SERVING. (An idle replica learns of a dead actor from its next request.)"""
+    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
+                                 params=pb.SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))
+    stream = pb_grpc.GenerationStub(channel).GenerateStream(request, timeout=300)
+    next(stream)  # it runs
     os.kill(victim_pid(serve, victim), signal.SIGKILL)
     killed = time.monotonic()
+    try:
+        for _ in stream:
+            pass
+        raise SystemExit(f"the request in flight finished although its {victim} was killed")
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            raise SystemExit(f"the request in flight ended with {e.code().name}, not UNAVAILABLE: "
+                             f"{e.details()}") from None
     while health_status(channel) == SERVING:
         if time.monotonic() - killed > 30:
             raise SystemExit(f"the replica still said SERVING 30 s after its {victim} was killed")
@@ -112,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
                "--http-port", str(args.http_port), *(["--draft", args.draft] if args.draft else []), *args.serve_arg]
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "serve.log"
-    print(f"$ {' '.join(command[2:])}  (log: {log})")
+    shown = "warpspec " + " ".join(command[3:])
+    print(f"$ {shown}  (log: {log})")
     prompts = held_out_prompts()
-    result: dict = {"command": " ".join(command[2:]), "cold": args.cold}
+    result: dict = {"command": shown, "cold": args.cold}
     with log.open("w") as out:
         serve = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"TTFT: first request {1e3 * ttfts[0]:.0f} ms, tenth {1e3 * ttfts[9]:.0f} ms")
             result["rebuild_s"], result["ttft_after_rebuild_ms"] = {}, {}
             for victim in kills:
-                result["rebuild_s"][victim] = kill_and_time_rebuild(channel, serve, victim, args.timeout_s)
+                result["rebuild_s"][victim] = kill_and_time_rebuild(channel, serve, victim, prompts[1], args.timeout_s)
                 result["ttft_after_rebuild_ms"][victim] = 1e3 * ttft_s(channel, prompts[0], 16)
                 print(f"{victim} killed: SERVING again after {result['rebuild_s'][victim]:.1f} s, then TTFT "
                       f"{result['ttft_after_rebuild_ms'][victim]:.0f} ms")
