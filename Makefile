@@ -44,7 +44,7 @@ gpu-check:
 	bash benchmarks/gpu_check.sh benchmarks/results
 
 # vLLM's CPU build in a venv of its own, the peer of `warpspec bench compare --vllm $(VLLM_VENV)/bin/python`
-# (~3 min, 3.5 GiB; never part of make test). PyPI's torchvision/torchaudio/torchcodec are CUDA builds
+# (~2 min, 3.5 GiB; never part of make test). PyPI's torchvision/torchaudio/torchcodec are CUDA builds
 # that break `import vllm` beside a CPU torch, and a text model needs none of them.
 VLLM_VENV ?= $(RUN_DIR)/vllm-venv
 vllm-peer:

@@ -23,9 +23,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().pa
 
 from ray_cluster import ray_cluster  # noqa: E402,F401 - a shared session fixture
 
-# `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): on 2 cores one
-# process left a core idle for a third of the run, while a compile waited on gcc or a test waited on
-# Ray. Every test that starts or joins Ray runs in one of them, one at a time, as the whole suite did
+# `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): in one process a cold
+# run kept the 2 cores 36% busy (27 CPU-minutes in 38), its compiles waiting on gcc and its serving
+# tests on Ray. Every test that starts or joins Ray runs in one of them, one at a time, as the whole suite did
 # before: two clusters on one machine would compete for its ports and its session files, and the
 # serving tests' timeouts assume one cluster. A test is Ray's when it takes the shared cluster, lives
 # in a folder whose tests all start a Serve stack or a cluster in a subprocess, or says so.
@@ -82,12 +82,10 @@ def ray_stays_in_its_process(request, monkeypatch):
         pytest.fail("this test starts Ray: mark it @pytest.mark.ray (or take the ray_cluster fixture) so that it "
                     "runs in the test process that hosts Ray")
 
-    monkeypatch.setattr(ray, "init", refuse)
-    running = ray.is_initialized()
-    yield
-    # Started before the guard, by a module's fixture:
-    if not running and ray.is_initialized():
+    if ray.is_initialized() and not HOSTS_RAY:  # started by a fixture set up before this one
         pytest.fail("this test's fixtures started Ray: mark the tests that use them @pytest.mark.ray")
+    monkeypatch.setattr(ray, "init", refuse)
+    yield
 
 
 @pytest.hookimpl(trylast=True)
