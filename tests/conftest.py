@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-# Keep torch from spawning more threads than the 2 cores CI has. `make test` runs two test processes
-# (below), and spinning OpenMP threads in one slow the other's torch badly.
+# Keep torch from spawning more threads than the 2 cores CI has; spinning OpenMP threads slow another
+# process's torch badly (Ray's actors, or a second test process: below).
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Triton kernels run in the Python interpreter on machines without a GPU; it must be set before
@@ -23,7 +23,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().pa
 
 from ray_cluster import ray_cluster  # noqa: E402,F401 - a shared session fixture
 
-# `make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): in one process a cold
+# `TEST_PROCESSES=2 make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): in one process a cold
 # run kept the 2 cores 36% busy (27 CPU-minutes in 38), its compiles waiting on gcc and its serving
 # tests on Ray. Every test that starts or joins Ray runs in one of them, one at a time, as the whole suite did
 # before: two clusters on one machine would compete for its ports and its session files, and the
