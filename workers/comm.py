@@ -58,6 +58,13 @@ class Communicator:
         self.num_collectives = 0  # counted so tests can hold the decode path to its budget
         self.abandoned = False  # this rank left a step part-way (failing_together)
 
+    def __getstate__(self) -> dict:
+        """Its numbers only (rank, world size, group id): saving a compiled step whole pickles what its
+        arguments reach (step_artifacts.py), the model and so its communicator among them, whose
+        process group and shared memory do not pickle. The step's guards check the numbers it read
+        on the live communicator of the process that loads it."""
+        return {name: value for name, value in vars(self).items() if type(value) in (int, bool, float, str)}
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns the reduced tensor (possibly x itself, reduced in place)."""
         if self.world_size == 1:

@@ -190,8 +190,7 @@ class CountingCompiler:
     def _load_or_compile_whole(self, graph: Hashable, args: tuple) -> Callable | None:
         """graph's saved graph (step_artifacts.py), loaded, or compiled and saved; None when it cannot
         be compiled whole (it is then compiled through torch.compile), with the reason in the log: a
-        graph break, or a rank of several, whose graphs reach its communicator (shared memory, a
-        process group), which does not pickle."""
+        graph break."""
         func, owner = getattr(self.fn, "__func__", self.fn), getattr(self.fn, "__self__", None)
         bound = args if owner is None else (owner, *args)
         path = self.artifacts.path(func.__qualname__, graph)

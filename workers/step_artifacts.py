@@ -21,10 +21,10 @@ What decides whether a saved graph is used:
 - then its own guards, checked on the first call's arguments: they hold every size, dtype and
   constant the graph was specialized on, and the thread count and inference mode. A graph whose
   guards fail is compiled again and its file replaced, with the reason in the log.
-A graph that cannot be built this way says why in the log, and its owner compiles it through
-torch.compile as before: a graph break, or the rank of a replica of several ranks, whose graphs
-reach its communicator (shared memory or a process group), which does not pickle. A graph built but
-not saved says why in a warning.
+A graph that cannot be built this way (a graph break) says why in the log, and its owner compiles
+it through torch.compile as before. A graph built but not saved says why in a warning. A rank of
+several saves its own graphs: they reach its communicator, which pickles its numbers only (rank,
+world size, and the group id its collectives carry, which the guards check).
 """
 
 from __future__ import annotations

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
     from warpspec.workers.comm import Communicator
 
 _groups: dict[int, Communicator] = {}
-_next_group_id = itertools.count()
 
 
 def register(comm: Communicator) -> int:
-    """A group id for comm's traced collectives; `unregister` it when the communicator closes."""
-    group_id = next(_next_group_id)
+    """A group id for comm's traced collectives, the smallest free one; `unregister` it when the
+    communicator closes. A compiled step holds its group id as a constant, which its guards check
+    (step_artifacts.py): a rank's communicator built again in the same process after the first
+    closed gets the id of the first, and so still loads its saved steps."""
+    group_id = next(i for i in itertools.count() if i not in _groups)
     _groups[group_id] = comm
     return group_id
 

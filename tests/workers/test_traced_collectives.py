@@ -1,7 +1,7 @@
 """A compiled step meets its peers inside its graph (workers/traced_collectives.py), over gloo and
 over shared memory alike, built by the compiler and inductor options the engine's compiled steps use
 (compiled_step.CountingCompiler: the C++ wrapper included, which could not call torch's functional
-collectives on the CPU)."""
+collectives on the CPU). A rank's step saved whole is loaded by the next start of that rank."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from warpspec.workers.comm import CommInit
 from warpspec.workers.communicators import make_communicator
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.shm_comm import shared_memory_available
+from warpspec.workers.step_artifacts import StepArtifacts
+from warpspec.workers.traced_collectives import register, unregister
 
 BACKENDS = ["gloo", pytest.param("shm", marks=pytest.mark.skipif(not shared_memory_available(),
                                                                   reason="needs an x86-64 host with /dev/shm"))]
@@ -52,3 +54,50 @@ def test_a_compiled_step_calls_the_exchange_inside_one_graph(backend, tmp_path):
     for rank in (0, 1):
         assert results[rank][1] == 0  # traced collectives are not counted
         assert results[rank][2] == 1  # one graph, no break at a collective, no recompile
+
+
+class ShardedLinear(torch.nn.Module):
+    """A row-parallel layer: the model holds its communicator, as the engine's models do."""
+
+    def __init__(self, comm, rank: int):
+        super().__init__()
+        self.comm = comm
+        self.weight = torch.nn.Parameter(rank_partial(rank, (4, 4)), requires_grad=False)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(x @ self.weight) + 1
+
+
+def _saved_step(rank: int, port: int, results, backend: str, cache_dir: str, shifted_rank: int | None) -> None:
+    torch.set_num_threads(1)
+    if rank == shifted_rank:  # another communicator of this process holds the first group id
+        register(None)
+    comm = make_communicator(CommInit(backend, rank, 2, "127.0.0.1", port))
+    model = ShardedLinear(comm, rank)
+    compiled = CountingCompiler(model.step, StepArtifacts(f"rank {rank}", cache_dir),
+                                mark_dynamic=lambda args: torch._dynamo.mark_dynamic(args[0], 0))
+    with torch.inference_mode():
+        outputs = [compiled(torch.full((rows, 4), float(rows)), graph="step") for rows in (2, 5)]
+    results[rank] = (outputs, compiled.num_compiles, compiled.num_loaded, comm.group_id)
+    comm.close()
+    if rank == shifted_rank:
+        unregister(0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_ranks_step_saved_whole_is_loaded_by_its_next_start(backend, tmp_path):
+    """Saving a step whole pickles what it reaches, the model's communicator included (a process
+    group, shared memory): each rank saves its own, and the next start loads it, compiling nothing,
+    with the same sums. A rank whose communicator got another group id compiles again (the id is a
+    constant of the graph, which its guards check) and still meets its peer's loaded step."""
+    first, second = (run_two_ranks(functools.partial(_saved_step, backend=backend, cache_dir=str(tmp_path),
+                                                     shifted_rank=shifted))
+                     for shifted in (None, 1))
+    expected = [torch.full((rows, 4), float(rows)) @ (rank_partial(0, (4, 4)) + rank_partial(1, (4, 4))) + 1
+                for rows in (2, 5)]
+    assert [first[rank][1:] for rank in (0, 1)] == [(1, 0, 0), (1, 0, 0)]
+    assert [second[rank][1:] for rank in (0, 1)] == [(0, 1, 0), (1, 0, 1)]
+    for run in (first, second):
+        for rank in (0, 1):
+            for got, want in zip(run[rank][0], expected, strict=True):
+                torch.testing.assert_close(got, want)
