@@ -219,7 +219,10 @@ def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
 
 @pytest.mark.slow
 def test_compiled_draft_is_still_lossless(target, draft, reference):
-    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3, enforce_eager=False) as llm:
+    # block_size=4, as the compiled greedy test above: the target's steps are then the graphs that test
+    # saved (step_artifacts.py), loaded instead of compiled again; the draft's are this test's own.
+    with LLM(str(target), dtype="float32", draft=str(draft), num_speculative_tokens=3, block_size=4,
+             enforce_eager=False) as llm:
         built = graphs_built()  # by start-up: every graph built or loaded
         outs = llm.generate(_prompts(), GREEDY)
         llm.generate(_prompts()[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True))
