@@ -89,13 +89,13 @@ def test_engine_stats_count_drafts_and_accepts_per_draft_position(target, draft)
 
 class ScriptedProposer:
     """Proposes each request's known greedy continuation, corrupted at random positions: drives
-    full accepts (bonus tokens), partial accepts and rollbacks across block boundaries."""
-
-    aux_layer_ids: tuple[int, ...] = ()
+    full accepts (bonus tokens), partial accepts and rollbacks across block boundaries. It asks the
+    target for the hidden states of aux_layer_ids and ignores them."""
 
     def __init__(self, continuations: dict[str, list[int]], prompt_lens: dict[str, int], error_rate: float,
-                 seed: int = 0):
+                 seed: int = 0, aux_layer_ids: tuple[int, ...] = ()):
         self.continuations, self.prompt_lens = continuations, prompt_lens
+        self.aux_layer_ids = aux_layer_ids
         self.error_rate = error_rate
         self.rng = random.Random(seed)
 
@@ -115,17 +115,23 @@ class ScriptedProposer:
         pass
 
 
-def scripted(reference, error_rate: float) -> ScriptedProposer:
+def scripted(reference, error_rate: float, aux_layer_ids: tuple[int, ...] = ()) -> ScriptedProposer:
     ids = [f"offline-{i}" for i in range(len(reference))]
     return ScriptedProposer(dict(zip(ids, (r.token_ids for r in reference), strict=True)),
-                            dict(zip(ids, map(len, _prompts()), strict=True)), error_rate)
+                            dict(zip(ids, map(len, _prompts()), strict=True)), error_rate, aux_layer_ids=aux_layer_ids)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
-def test_accepts_and_rollbacks_keep_greedy_output_exact(target, reference, error_rate, enforce_eager):
-    with LLM(str(target), dtype="float32", num_speculative_tokens=4, block_size=4,
-             proposer=scripted(reference, error_rate), enforce_eager=enforce_eager) as llm:
+def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference, error_rate, enforce_eager):
+    # Eager, k=4: a verification of k + 1 tokens spans more than one block. Compiled, the compiled
+    # greedy test's configuration (k=3, the draft's layers read, the same batch budget): the target's
+    # steps are the graphs that test saved (step_artifacts.py), loaded instead of compiled again.
+    k = 4 if enforce_eager else 3
+    aux_layer_ids = () if enforce_eager else \
+        Eagle3Config.from_pretrained(draft, ModelConfig.from_pretrained(target)).aux_layer_ids
+    with LLM(str(target), dtype="float32", num_speculative_tokens=k, block_size=4, max_num_batched_tokens=24,
+             proposer=scripted(reference, error_rate, aux_layer_ids), enforce_eager=enforce_eager) as llm:
         outs = llm.generate(_prompts(), GREEDY)
         stats = llm.engine.spec_stats
         manager = llm.engine.block_manager
@@ -133,8 +139,8 @@ def test_accepts_and_rollbacks_keep_greedy_output_exact(target, reference, error
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert stats.num_accepted_tokens > 0
     if error_rate == 0.0:
-        # Every draft is right: 4 accepted + 1 bonus per step, except where max_tokens cuts drafting short.
-        assert stats.acceptance_length > 4.0
+        # Every draft is right: k accepted + 1 bonus per step, except where max_tokens cuts drafting short.
+        assert stats.acceptance_length > k
     else:
         assert stats.num_accepted_tokens < stats.num_draft_tokens
 
