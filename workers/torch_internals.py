@@ -27,6 +27,10 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
 - a saved graph's failing guard (AOTCompiledFunction.prepare_f_locals and its guard manager's
   check_verbose): the log says which guard refused a saved step graph; the AOT API returns only a
   bool.
+- the compiler stance in force (torch._dynamo.eval_frame._stance): a graph saved whole is called as
+  a plain function, which `torch.compiler.set_stance("force_eager")` does not reach; its caller
+  (compiled_step.CountingCompiler) runs eagerly under that stance itself, as the thread-count timing
+  asks. torch.compiler sets the stance but has no getter.
 
 Left outside: kernels/fp8.py calls torch._scaled_mm on FP8 GPUs (the kernels import nothing above
 them). torch 2.13 has a public torch.nn.functional.scaled_mm; moving to it wants a GPU to check.
@@ -110,6 +114,13 @@ def without_duck_shapes() -> Iterator[None]:
 
     with _config.patch(use_duck_shape=False):
         yield
+
+
+def forcing_eager() -> bool:
+    """Whether torch.compiler.set_stance("force_eager") is in force."""
+    from torch._dynamo import eval_frame
+
+    return eval_frame._stance.stance == "force_eager"
 
 
 def failed_guard(compiled, args: tuple) -> str:

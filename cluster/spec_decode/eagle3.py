@@ -20,7 +20,8 @@ graph serves any mix of acceptances. The padded positions lie past the last know
 drafts write scratch KV anyway: their KV and logits are never read. Of the real positions only the
 last one's output is read (by the next draft step), so a compiled catch-up writes KV for every row
 and runs attention, the MLP and lm_head for that row alone. A catch-up over more positions (a
-prompt, or a recompute after preemption) runs eagerly, with its dense halves compiled.
+prompt, or a recompute after preemption) runs eagerly, with its dense halves compiled: on a CPU
+saved whole like the step graphs (workers/step_artifacts.py), so a later start loads them.
 
 When every request drafts greedily and wants all k drafts (the steady state of greedy serving), the
 padded catch-up, the k - 1 steps after it and the argmax between them are one compiled graph: a
@@ -67,18 +68,37 @@ from warpspec.workers.torch_internals import mark_dynamic, without_duck_shapes
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
 
 
+def dense_half_graph(args: tuple[torch.Tensor, ...]) -> tuple:
+    """The key of a dense half's saved graph: what it specializes on besides the weights its name
+    holds. Each argument's sizes after the first and its dtype (before_attention's features are the
+    target's three layers or the draft's own output, and it branches on which), and whether it runs
+    one row: the graph for two or more keeps the row count symbolic, and one row is a size torch
+    specializes on, so that call gets a graph of its own."""
+    return tuple((tuple(t.shape[1:]), str(t.dtype)) for t in args), args[0].shape[0] == 1
+
+
+def mark_rows_dynamic(args: tuple[torch.Tensor, ...]) -> None:
+    """A dense half's CountingCompiler mark_dynamic: the token count, its arguments' first size."""
+    for tensor in args:
+        if tensor.shape[0] > 1:
+            mark_dynamic(tensor, 0)
+
+
 class CompiledWithFallback:
     """torch.compile of a tensors-in, tensors-out function; if compiling or running the compiled
     code fails, warn once and run the function eagerly from then on."""
 
-    def __init__(self, fn, name: str, compiled=None):
+    def __init__(self, fn, name: str, compiled=None, graph_of: Callable[[tuple], Hashable] | None = None):
         """compiled: fn compiled another way than with dynamic shapes throughout. With dynamic
         shapes, duck shaping is off: the warm-up's token count (2 catch-ups) can equal a size the
         weights fix (head_dim / 2 for the rotary table), and sharing its symbol fixed the count, so
-        the first prompt of another length compiled on the request path."""
+        the first prompt of another length compiled on the request path. graph_of: the graph key of
+        a call made without one (a dense half's, whose compiler marks its rows dynamic), traced
+        without duck shapes for the same reason."""
         self.eager, self.name = fn, name
         self.compiled = compiled or torch.compile(fn, dynamic=True)
-        self.tracing = contextlib.nullcontext if compiled is not None else without_duck_shapes
+        self.graph_of = graph_of
+        self.tracing = contextlib.nullcontext if compiled is not None and graph_of is None else without_duck_shapes
         self.failed = False
 
     def __call__(self, *args: torch.Tensor, graph: Hashable | None = None):
@@ -87,6 +107,8 @@ class CompiledWithFallback:
         would otherwise hold this torch.compile, which does not pickle (workers/step_artifacts.py)."""
         if torch.compiler.is_compiling():
             return self.eager(*args)
+        if graph is None and self.graph_of is not None:
+            graph = self.graph_of(args)
         if not self.failed:
             try:
                 with self.tracing():
@@ -136,10 +158,7 @@ class Eagle3Proposer:
         # the query length of a step graph, or GREEDY_PROPOSAL.
         self.thread_counts: dict[tuple[int | str, bool], int] = {}
         if compile and not deterministic:
-            # The dense halves around attention take only tensors whose one varying size is the token
-            # count, so one dynamic-shape graph serves every step.
-            draft.before_attention = CompiledWithFallback(draft.before_attention, "the EAGLE-3 draft")
-            draft.after_attention = CompiledWithFallback(draft.after_attention, "the EAGLE-3 draft")
+            artifacts = None
             if self.device.type == "cpu":
                 # Saved whole and loaded by name (workers/step_artifacts.py): their guards refuse every
                 # later start, as the KV cache is marked dynamic for its whole life and the draft's
@@ -148,6 +167,15 @@ class Eagle3Proposer:
                 # block size and the catch-up length; thread counts and step shapes are in the key.
                 artifacts = StepArtifacts(f"{module_identity(draft)} {block_size} {self.catch_up_len}",
                                           check_guards=False)
+            # The dense halves around attention take only tensors whose one varying size is the token
+            # count, so one dynamic-shape graph serves every step; on a CPU saved whole as well, keyed
+            # by what else they specialize on (dense_half_graph), instead of traced at every start.
+            for name in ("before_attention", "after_attention"):
+                half = getattr(draft, name)
+                whole = CountingCompiler(half, artifacts, mark_rows_dynamic) if artifacts is not None else None
+                setattr(draft, name, CompiledWithFallback(half, "the EAGLE-3 draft", compiled=whole,
+                                                          graph_of=dense_half_graph if whole is not None else None))
+            if artifacts is not None:
                 # The k - 1 steps after the catch-up run one token per request: on a CPU the whole
                 # step, attention included, is one compiled graph (workers/compiled_step.py).
                 self.decode_compiler = CountingCompiler(self._decode_forward, artifacts, step_marker(5))

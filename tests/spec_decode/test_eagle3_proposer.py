@@ -94,6 +94,31 @@ def test_the_compiled_catch_up_and_draft_steps_propose_the_eager_drafts(proposer
     assert set(compiled.thread_counts) == {(graph, one) for graph in graphs for one in (True, False)}
 
 
+def test_a_second_start_loads_the_dense_halves_and_proposes_the_eager_drafts(proposers, tmp_path):
+    """The dense halves a prompt's catch-up runs are saved whole at warm-up, as the step graphs are: a
+    second start over the same draft loads every graph instead of tracing it again."""
+    eager, _ = proposers
+    target = make_speculation_target(tmp_path / "target")
+    config = ModelConfig.from_pretrained(target)
+    embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
+    draft = load_eagle3(make_speculation_draft(tmp_path / "draft"), config, embed, torch.float32)
+    again = Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, num_speculative_tokens=K)
+    again.warm_up()
+    halves = [getattr(again.draft, name).compiled for name in ("before_attention", "after_attention")]
+    compilers = [*halves, again.catch_up_compiler, again.decode_compiler, again.greedy_proposal_compiler]
+    assert [c.num_compiles for c in compilers] == [0] * 5 and all(c.num_loaded > 0 for c in compilers)
+    prompts = [9, 6, 11]
+    tables = [list(range(0, 6)), list(range(6, 12)), list(range(12, 18))]
+    requests = _requests([0, 0, 0], prompts, [0.0, 0.8, 0.0], prompts, tables)
+    aux = _features(sum(prompts), again.draft.config.target_hidden_size, 5)
+    calls = [half.num_calls for half in halves]
+    want, got = eager.propose(requests, aux), again.propose(requests, aux)
+    assert all(half.num_calls > before for half, before in zip(halves, calls, strict=True))  # the prompts ran them
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    torch.testing.assert_close(got[1].probs, want[1].probs, atol=1e-5, rtol=1e-4)
+    assert [c.num_compiles for c in compilers] == [0] * 5
+
+
 def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larger_batch(tmp_path, monkeypatch):
     """One request's graphs time their own step; each graph of two or more serves every batch, so its
     thread count is timed on THREAD_SAMPLE_SEQS requests (as the target's is)."""

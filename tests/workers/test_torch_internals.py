@@ -116,3 +116,10 @@ def test_a_compiled_functions_failing_guard_is_named():
     assert compiled.guard_check(torch.zeros(4)) and not compiled.guard_check(torch.zeros(5))
     reason = failed_guard(compiled, (torch.zeros(5),))
     assert "x" in reason and "size" in reason.lower(), reason
+
+
+def test_the_force_eager_stance_is_seen():
+    assert not torch_internals.forcing_eager()
+    with torch.compiler.set_stance("force_eager"):
+        assert torch_internals.forcing_eager()
+    assert not torch_internals.forcing_eager()
