@@ -24,11 +24,14 @@ K = 3
 
 @pytest.fixture(scope="module")
 def proposers(tmp_path_factory):
-    """(eager, compiled) proposers over the same draft weights, each with its own KV cache."""
+    """(eager, compiled) proposers over the same draft weights, each with its own KV cache. The
+    embedding is a parameter, as the target's own is in an engine: the draft's saved graphs are then
+    named as those of tests/spec_decode/test_speculative.py's engines, which load them."""
     target = make_speculation_target(tmp_path_factory.mktemp("target"))
     draft_path = make_speculation_draft(tmp_path_factory.mktemp("draft"))
     config = ModelConfig.from_pretrained(target)
-    embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
+    embed = torch.nn.Parameter(read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float(),
+                               requires_grad=False)
     made = []
     for compile_draft in (False, True):
         draft = load_eagle3(draft_path, config, embed, torch.float32)
@@ -100,7 +103,8 @@ def test_a_second_start_loads_the_dense_halves_and_proposes_the_eager_drafts(pro
     eager, _ = proposers
     target = make_speculation_target(tmp_path / "target")
     config = ModelConfig.from_pretrained(target)
-    embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
+    embed = torch.nn.Parameter(read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float(),
+                               requires_grad=False)  # as the fixture's
     draft = load_eagle3(make_speculation_draft(tmp_path / "draft"), config, embed, torch.float32)
     again = Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, num_speculative_tokens=K)
     again.warm_up()
