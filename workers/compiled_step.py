@@ -169,9 +169,9 @@ class CountingCompiler:
         return self.artifacts.saved_threads(getattr(self.fn, "__func__", self.fn).__qualname__, graph)
 
     def __call__(self, *args, graph: Hashable | None = None):
+        self.num_calls += 1
         if forcing_eager():  # a thread-count timing (cpu_threads.py): graphs saved whole do not see the stance
             return self.fn(*args)
-        self.num_calls += 1
         whole = self.whole_graphs.get(graph)
         if whole is None and graph is not None and self.artifacts is not None and graph not in self.traced_graphs:
             whole = self._load_or_compile_whole(graph, args)
