@@ -9,6 +9,10 @@ the first prompts together. Tokens/s per user, ratios to transformers' greedy, a
 of step time; Markdown, JSON and a PNG bar chart under runs/bench/. Every configuration runs greedy,
 so all of them must emit the same tokens (checked, and reported). The header says how OpenMP threads
 wait (OMP_WAIT_POLICY) and how many torch uses: on a CPU both change every figure.
+
+Another pair: --target, --draft and --prompts (equal-length token ids in the held-out prompts' JSON
+format); any engine option of `warpspec serve` (--block-size, --max-num-seqs, ...) applies to every
+warpspec engine, except those the comparison sets per system (OWN_OPTIONS).
 """
 
 from __future__ import annotations
@@ -27,16 +31,42 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, PROMPTS
 from warpspec.benchmarks.vllm_peer import VLLMPeer, check_python
 from warpspec.config.engine import SPECULATIVE_POLICIES
+from warpspec.config.options import add_engine_flags, engine_options_from_flags
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
+from warpspec.workers.model_config import ModelConfig
 
 HF_GREEDY = "transformers greedy"
 HF_LOOKUP = "transformers prompt lookup (k=3)"
 VLLM, VLLM_EAGLE3 = "vLLM", "vLLM + EAGLE-3 (k=3)"
 EAGER = " eager"  # "warpspec eager": enforce_eager=True
+# Engine options the comparison sets itself, per system: the rest are flags, the same for every engine.
+OWN_OPTIONS = ("dtype", "enforce_eager", "run_dir", "num_workers", "executor", "comm_backend",
+               "enable_prefix_caching", "draft", "num_speculative_tokens", "speculative_policy")
+
+
+def read_prompts(path: str, vocab_size: int) -> list[list[int]]:
+    """The prompts of a file in the held-out prompts' format ({"prompt_token_ids": [[...], ...]}), checked:
+    transformers runs a batch unpadded, so every prompt has the same length."""
+    try:
+        prompts = json.loads(Path(path).read_text())["prompt_token_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"--prompts: {path} is no JSON object with a prompt_token_ids list "
+                         f"({type(error).__name__}: {error})") from None
+    if not prompts or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise SystemExit(f"--prompts: prompt_token_ids in {path} must be a non-empty list of non-empty lists "
+                         "of token ids")
+    if len({len(p) for p in prompts}) > 1:
+        raise SystemExit(f"--prompts: every prompt must have the same length (transformers runs a batch unpadded), "
+                         f"got lengths {sorted({len(p) for p in prompts})}")
+    outside = next(((i, t) for i, p in enumerate(prompts) for t in p if not 0 <= t < vocab_size), None)
+    if outside is not None:
+        raise SystemExit(f"--prompts: prompt {outside[0]} holds token id {outside[1]}, outside the target's "
+                         f"vocabulary (vocab_size {vocab_size})")
+    return prompts
 
 
 def warpspec_runner(llm: LLM, new_tokens: int) -> Callable[[list[list[int]]], list[list[int]]]:
@@ -195,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                              "a suffix names the ranks' collectives, as 2:gloo (else comm_backend auto)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per configuration (median kept)")
+    parser.add_argument("--prompts", default=str(PROMPTS),
+                        help="equal-length token-id prompts, a JSON file as the bundled held-out prompts "
+                             '({"prompt_token_ids": [[...], ...]}); default: those')
     parser.add_argument("--batch1-prompts", type=int, default=4,
-                        help="batch 1: run each of this many held-out prompts alone, report the median")
+                        help="batch 1: run each of this many prompts alone, report the median")
     parser.add_argument("--dtype", default="float32", help="both engines compute in this dtype")
     parser.add_argument("--run-dir", default="runs")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -209,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speculative-policies", default="fixed",
                         help="one EAGLE-3 engine per draft length policy: fixed (k=3 at every step), adaptive "
                              "(each step's length from measured costs), or both: fixed,adaptive")
+    add_engine_flags(parser, skip=OWN_OPTIONS)
     args = parser.parse_args(argv)
+    try:
+        engine_options = engine_options_from_flags(args, skip=OWN_OPTIONS)
+    except ValueError as error:  # names the option and what it must be
+        raise SystemExit(str(error)) from None
     try:
         from transformers import Llama4ForCausalLM
     except ImportError:
@@ -221,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.speculative_policies!r}")
     if args.vllm:
         check_python(args.vllm)
-    prompts = held_out_prompts()
+    prompts = read_prompts(args.prompts, ModelConfig.from_pretrained(args.target).vocab_size)
     if not 1 <= args.batch1_prompts <= len(prompts):
-        raise SystemExit(f"--batch1-prompts: between 1 and {len(prompts)} (the bundled held-out prompts)")
+        raise SystemExit(f"--batch1-prompts: between 1 and {len(prompts)} (the prompts in {args.prompts})")
 
     reference = Llama4ForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
     reference.generation_config.eos_token_id = None
@@ -259,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
                                           executor=executor, comm_backend=comm_backend,
                                           enable_prefix_caching=False, speculative_policy=policy,
-                                          enforce_eager=enforce_eager, run_dir=args.run_dir))
+                                          enforce_eager=enforce_eager, run_dir=args.run_dir, **engine_options))
             systems.append({"system": name.replace("warpspec", "warpspec" + mode), "workers": workers,
                             "llm": llm, "run": warpspec_runner(llm, args.new_tokens)})
         for s in systems:  # warm up (and compile the drafts) outside the measurement
@@ -323,9 +361,9 @@ def main(argv: list[str] | None = None) -> int:
             "same_tokens": all(m["tokens"] == greedy[b]["tokens"] for b, m in measured.items()),
         })
     table = format_table(rows, batches) + policy_table(rows, batches) + peer_table(rows, batches)
-    print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token held-out prompts, "
-          f"{args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs; batch 1: median over "
-          f"{args.batch1_prompts} prompts run alone")
+    print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token prompts from "
+          f"{args.prompts}, {args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs; batch 1: "
+          f"median over {args.batch1_prompts} prompts run alone; engine options {engine_options or 'the defaults'}")
     print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spinning)')}, torch threads "
           f"{torch.get_num_threads()}; compiled graphs' thread counts: {threads}\n")
     print(table)

@@ -39,8 +39,18 @@ def needs_ray(item: pytest.Item) -> bool:
             or item.get_closest_marker("ray") is not None)
 
 
+# The benchmarks' smoke tests run after every other folder: a benchmark runs whole engines, and on the
+# configurations the tests of compiled steps use it loads the graphs they saved instead of compiling.
+LAST_FOLDERS = ("benchmarks",)
+
+
+def runs_last(item: pytest.Item) -> bool:
+    return Path(item.path).relative_to(Path(__file__).parent).parts[0] in LAST_FOLDERS
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=runs_last)  # stable: each folder keeps its order
     for item in items:
         if needs_ray(item):
             item.add_marker(pytest.mark.xdist_group("ray"))
