@@ -22,13 +22,13 @@ RAY_CHECKED = "2.60.0"
 
 
 def start_local_ray(temp_dir: str | Path, num_cpus: int, include_dashboard: bool = False,
-                    address: str | None = None) -> None:
+                    address: str | None = None, log_to_driver: bool = False) -> None:
     """Start a local Ray cluster (address="local": a new one even when another runs on this machine)
-    keeping its session files under temp_dir, reporting no usage statistics, logging nothing to this
-    process."""
+    keeping its session files under temp_dir, reporting no usage statistics, and, unless
+    log_to_driver, printing nothing its actors write."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address=address, num_cpus=num_cpus, include_dashboard=include_dashboard, _temp_dir=str(temp_dir),
-             log_to_driver=False)
+             log_to_driver=log_to_driver)
 
 
 def live_actors() -> list[dict]:
@@ -36,19 +36,21 @@ def live_actors() -> list[dict]:
     return [actor for actor in ray._private.state.actors().values() if actor["State"] == "ALIVE"]
 
 
-def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False, num_cpus: int = 8) -> None:
+def connect_ray(run_dir: str | Path = "runs", include_dashboard: bool = False, num_cpus: int = 8,
+                log_to_driver: bool = False) -> None:
     """Idempotent. A local cluster keeps its session files under run_dir/ray, runs no dashboard unless
     asked (it serves cluster control on a port of its own), reports no usage statistics and offers at
-    least num_cpus CPUs (one per worker actor)."""
+    least num_cpus CPUs (one per worker actor). log_to_driver: print what the actors write to
+    stdout and stderr (a replica's start-up phases) in this process."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=log_to_driver)
         return
     temp_dir = Path(run_dir, "ray").resolve()
     temp_dir.mkdir(parents=True, exist_ok=True)
     # Oversubscribe small machines: a 2-core box still hosts a coordinator and a few workers.
-    start_local_ray(temp_dir, max(num_cpus, os.cpu_count() or 1), include_dashboard)
+    start_local_ray(temp_dir, max(num_cpus, os.cpu_count() or 1), include_dashboard, log_to_driver=log_to_driver)
 
 
 def unwrap_ray_errors(call):

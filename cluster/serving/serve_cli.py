@@ -149,7 +149,8 @@ def run_serve_command(ns: argparse.Namespace) -> None:
 
     config = ServeConfig.from_args(args)  # refuse bad args before any cluster is touched
     set_serving_environment(config.max_request_bytes)
-    connect_ray(args.get("run_dir", "runs"), include_dashboard=ns.dashboard)
+    # The replicas' output here, as `serve run` shows it: each start-up phase as it ends, access lines.
+    connect_ray(args.get("run_dir", "runs"), include_dashboard=ns.dashboard, log_to_driver=True)
     if config.auth is None:
         print(f"warpspec: no API key set (--api-key, --api-key-file or ${API_KEY_ENV}): anyone who reaches "
               f"port {ns.grpc_port} (gRPC listens on every address) or {ns.host}:{ns.http_port} can use it",

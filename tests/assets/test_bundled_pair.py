@@ -71,7 +71,8 @@ def ray_processes(temp_dir: Path) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_demo_streams_real_text_and_leaves_no_process():
     run_dir = REPO / "runs" / "test-demo"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Without the suite's WARPSPEC_ENFORCE_EAGER: the demo runs its steps eagerly by itself.
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "WARPSPEC_ENFORCE_EAGER")}
     result = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "demo", "--requests", "3", "--max-tokens", "24",
                              "--grpc-port", "9301", "--http-port", "8301", "--run-dir", str(run_dir)],
                             capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
@@ -81,6 +82,9 @@ def test_demo_streams_real_text_and_leaves_no_process():
     assert "[prompt] " in result.stdout and " [model] " in result.stdout  # where the prompt ends
     # Start and stop say nothing alarming: neither Serve reconnecting to itself nor a killed controller.
     output = result.stdout + result.stderr
+    # Each start-up phase shows as it ends, forwarded from the replica's processes; nothing compiles.
+    assert "start-up: weights and KV cache in" in result.stderr and "start-up: draft in" in result.stderr
+    assert "| warm-up request |" in result.stderr and "compile target steps" not in result.stderr
     assert "Connecting to existing Serve app" not in output and "graceful_shutdown failed" not in output
     deadline = time.monotonic() + 20
     while ray_processes((run_dir / "ray").resolve()) and time.monotonic() < deadline:
