@@ -3,7 +3,8 @@
 Starts a local Ray cluster, deploys the serving stack (Ray Serve: gRPC + OpenAI HTTP) on the
 bundled tiny-maverick target sharded over 2 worker actors, with its EAGLE-3 draft in the
 coordinator; sends several requests at once over gRPC, streams one of them to the terminal, prints
-per-request figures, and stops everything it started.
+per-request figures, and stops everything it started. Its steps run eagerly unless --compile (a cold
+compile takes minutes, the requests about a second); the replica's start-up phases show on stderr.
 """
 
 from __future__ import annotations
