@@ -54,6 +54,7 @@ from warpspec.workers.torch_internals import (
     mark_dynamic,
     marked_dynamic,
 )
+from warpspec.workers.vec_isa import use_recorded_vec_isas
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class CountingCompiler:
         sizes before each compile (a saved graph's guards refuse arguments marked again).
         dynamic_state: (tensor, dim) of tensors fn reads besides its arguments (a KV cache) whose
         size at dim is symbolic in every graph: marked while a graph compiles, unmarked after."""
+        use_recorded_vec_isas()  # before its first graph: inductor's CPU probe, once per host (vec_isa.py)
         self.num_compiles = 0
         self.num_loaded = 0  # graphs loaded from artifacts instead of compiled
         self.num_calls = 0

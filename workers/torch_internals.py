@@ -27,6 +27,11 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
 - a saved graph's failing guard (AOTCompiledFunction.prepare_f_locals and its guard manager's
   check_verbose): the log says which guard refused a saved step graph; the AOT API returns only a
   bool.
+- inductor's CPU instruction-set probe (torch._inductor.cpu_vec_isa: x86_isa_checker,
+  supported_vec_isa_list, valid_vec_isa_list; the config switch cpp.vec_isa_ok; and
+  cpp_builder.get_cpp_compiler): which sets the CPU lists, which the probe found usable, and the
+  compiler it builds with, so that a host probes once (vec_isa.py). torch exposes only the switch,
+  as TORCHINDUCTOR_VEC_ISA_OK.
 - the compiler stance in force (torch._dynamo.eval_frame._stance): a graph saved whole is called as
   a plain function, which `torch.compiler.set_stance("force_eager")` does not reach; its caller
   (compiled_step.CountingCompiler) runs eagerly under that stance itself, as the thread-count timing
@@ -50,6 +55,45 @@ def inductor_default_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return default_cache_dir()
+
+
+def listed_vec_isas() -> list[str]:
+    """The vector instruction sets inductor knows that the CPU lists (x86: /proc/cpuinfo's flags, as
+    inductor reads them), without building anything; [] on other machines, where inductor probes
+    nothing. Not bool() on each set: a set caches its answer for the process whatever the switch
+    (take_vec_isas_as_built) said then, so asking would stand in for the probe."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
+def usable_vec_isas() -> list[str]:
+    """The vector instruction sets inductor picks from in this process: after its probe, those whose
+    program built and loaded."""
+    from torch._inductor import cpu_vec_isa
+
+    return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+
+def take_vec_isas_as_built() -> None:
+    """Inductor takes every instruction set the CPU lists as buildable, without probing, in this
+    process from now on."""
+    from torch._inductor import config, cpu_vec_isa
+
+    config.cpp.vec_isa_ok = True
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+
+def cpp_compiler() -> str:
+    """The C++ compiler inductor builds with."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    return get_cpp_compiler()
 
 
 def fx_graph_cache_counts() -> tuple[int, int]:

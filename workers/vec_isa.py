@@ -1,0 +1,104 @@
+"""The CPU's vector instruction sets, probed once per host instead of once per process and folder.
+
+Before inductor generates C++ for a CPU it asks which of the instruction sets /proc/cpuinfo lists
+(AVX2, AVX-512, AMX, ...) the compiler can build and the machine can load: for each it builds a small
+program against ATen's vector headers into the inductor folder, then starts a Python process that
+loads it. Measured on 2 cores (torch 2.13, Intel Xeon with AMX, 4 sets listed): 15.5 s in a folder
+that has not built them yet, 1.8 s in one that has (the loading processes alone). Every process that
+compiles or loads a step pays it, each worker and coordinator at every start, and every new
+compile-cache folder pays the 15 s; the test suite opens dozens. Without that probe, 3.7 s and 0.6 s:
+the AVX-512 and AMX variants (bf16, VNNI, AMX-FP16) are still probed with programs of their own.
+
+The answer depends on the host only: its CPU, its compiler and torch. So the first probe on a host is
+recorded beside inductor's default folder (one per user), and a later process whose torch, compiler
+and listed instruction sets match the record tells inductor to take every listed set as buildable
+(`torch._inductor.config.cpp.vec_isa_ok`, the switch of TORCHINDUCTOR_VEC_ISA_OK). The record is
+written only when the probe found every listed set usable; where it refused one (an old compiler),
+nothing is recorded and every process probes as before. Every compiling process ends up with the same
+setting, which inductor's cache keys include.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from warpspec.workers.torch_internals import (
+    cpp_compiler,
+    inductor_default_cache_dir,
+    listed_vec_isas,
+    take_vec_isas_as_built,
+    usable_vec_isas,
+)
+
+logger = logging.getLogger(__name__)
+
+RECORD = "warpspec-vec-isa.json"
+
+
+def default_record() -> Path:
+    """Where the host's record lives: inductor's default folder, one per user on a host whatever
+    compile-cache folder a process uses."""
+    return Path(inductor_default_cache_dir(), RECORD)
+
+
+def use_recorded_vec_isas(record: Path | None = None) -> bool:
+    """Skip inductor's instruction-set probe if record says this host passed it; else probe now (what
+    the first compile would do anyway) and record a probe that found every listed set usable.
+    Returns whether the probe is skipped from now on in this process."""
+    record = default_record() if record is None else record
+    host = host_facts()
+    if read_record(record) == host:
+        take_vec_isas_as_built()
+        return True
+    usable = usable_vec_isas()  # the probe
+    if not should_record(host["listed"], usable):
+        logger.info("the compiler cannot build every instruction set the CPU lists (%s, usable: %s); "
+                    "inductor probes them in every process", host["listed"], usable)
+        return False
+    take_vec_isas_as_built()
+    write_record(record, host)
+    return True
+
+
+def host_facts() -> dict:
+    """What the probe's answer depends on: torch, the compiler inductor calls (path, size and
+    modification time), and the instruction sets the CPU lists."""
+    compiler = shutil.which(cpp_compiler()) or cpp_compiler()
+    stat = os.stat(compiler) if os.path.exists(compiler) else None
+    return {"torch": torch.__version__, "torch_path": str(Path(torch.__file__).parent),
+            "compiler": os.path.realpath(compiler),
+            "compiler_stat": [stat.st_size, stat.st_mtime_ns] if stat else None,
+            "listed": listed_vec_isas()}
+
+
+def should_record(listed: list[str], usable: list[str]) -> bool:
+    """A probe is worth recording only when every listed set passed it: inductor's switch takes all
+    of them or none."""
+    return bool(listed) and usable == listed
+
+
+def read_record(record: Path) -> dict | None:
+    try:
+        return json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_record(record: Path, host: dict) -> None:
+    """Written whole (a temporary name, then a rename): a process reading meanwhile sees the old
+    record or the new one. A folder that cannot be written only costs later processes the probe."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=record.parent, prefix=f".{record.name}.", delete=False) as f:
+            json.dump(host, f)
+        os.replace(f.name, record)
+    except OSError as error:
+        logger.info("the instruction-set probe is not recorded at %s (%s); every process probes again",
+                    record, error)
