@@ -51,10 +51,11 @@ from warpspec.workers.torch_internals import (
     cached_graphs,
     compile_with_inductor,
     forcing_eager,
+    inductor_config_patched,
     mark_dynamic,
     marked_dynamic,
 )
-from warpspec.workers.vec_isa import use_recorded_vec_isas
+from warpspec.workers.vec_isa import vec_isa_options
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,12 @@ THREAD_SAMPLE_SEQS = 8
 # (1.10-1.26) and 1.14x with EAGLE-3 (1.06-1.26), the same tokens
 # (benchmarks/results/2026-12-02-cpp-wrapper-cpu.md). It costs compile time once, cached.
 INDUCTOR_PATCHES = {"cpp_wrapper": True}
+
+
+def step_inductor_options() -> dict:
+    """INDUCTOR_PATCHES, and the switch that skips inductor's CPU instruction-set probe on a host that
+    recorded it (vec_isa.py): the same options in every process, as inductor's cache keys hold them."""
+    return {**INDUCTOR_PATCHES, **vec_isa_options()}
 
 
 def with_own_code(fn: Callable) -> Callable:
@@ -102,7 +109,7 @@ class CountedInductor:
         compiler = self.compiler()
         if compiler is not None:
             compiler.num_compiles += 1
-        return compile_with_inductor(graph_module, example_inputs, INDUCTOR_PATCHES)
+        return compile_with_inductor(graph_module, example_inputs, step_inductor_options())
 
 
 class CountingCompiler:
@@ -139,7 +146,6 @@ class CountingCompiler:
         sizes before each compile (a saved graph's guards refuse arguments marked again).
         dynamic_state: (tensor, dim) of tensors fn reads besides its arguments (a KV cache) whose
         size at dim is symbolic in every graph: marked while a graph compiles, unmarked after."""
-        use_recorded_vec_isas()  # before its first graph: inductor's CPU probe, once per host (vec_isa.py)
         self.num_compiles = 0
         self.num_loaded = 0  # graphs loaded from artifacts instead of compiled
         self.num_calls = 0
@@ -199,14 +205,15 @@ class CountingCompiler:
         func, owner = getattr(self.fn, "__func__", self.fn), getattr(self.fn, "__self__", None)
         bound = args if owner is None else (owner, *args)
         path = self.artifacts.path(func.__qualname__, graph)
-        compiled = self.artifacts.load(path, bound)
+        with inductor_config_patched(vec_isa_options()):  # loading builds what the folder lacks
+            compiled = self.artifacts.load(path, bound)
         if compiled is not None:
             self.num_loaded += 1
         else:
             self.mark_dynamic(args)
             try:
                 with marked_dynamic(self.dynamic_state):
-                    compiled = self.artifacts.compile(func, bound, INDUCTOR_PATCHES, path)
+                    compiled = self.artifacts.compile(func, bound, step_inductor_options(), path)
             except Exception as error:  # noqa: BLE001 - torch.compile's own path still serves it
                 logger.info("%s's graph %r cannot be compiled whole (%s: %s); compiling it through "
                                "torch.compile in every start", func.__qualname__, graph, type(error).__name__,

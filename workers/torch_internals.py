@@ -29,9 +29,10 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
   bool.
 - inductor's CPU instruction-set probe (torch._inductor.cpu_vec_isa: x86_isa_checker,
   supported_vec_isa_list, valid_vec_isa_list; the config switch cpp.vec_isa_ok; and
-  cpp_builder.get_cpp_compiler): which sets the CPU lists, which the probe found usable, and the
-  compiler it builds with, so that a host probes once (vec_isa.py). torch exposes only the switch,
-  as TORCHINDUCTOR_VEC_ISA_OK.
+  cpp_builder.get_cpp_compiler; inductor's config.patch to set the switch around a load): which
+  sets the CPU lists, which the probe found usable, and the compiler it builds with, so that a host
+  probes once (vec_isa.py). torch exposes only the switch, as TORCHINDUCTOR_VEC_ISA_OK for a whole
+  process.
 - the compiler stance in force (torch._dynamo.eval_frame._stance): a graph saved whole is called as
   a plain function, which `torch.compiler.set_stance("force_eager")` does not reach; its caller
   (compiled_step.CountingCompiler) runs eagerly under that stance itself, as the thread-count timing
@@ -61,7 +62,7 @@ def listed_vec_isas() -> list[str]:
     """The vector instruction sets inductor knows that the CPU lists (x86: /proc/cpuinfo's flags, as
     inductor reads them), without building anything; [] on other machines, where inductor probes
     nothing. Not bool() on each set: a set caches its answer for the process whatever the switch
-    (take_vec_isas_as_built) said then, so asking would stand in for the probe."""
+    (VEC_ISA_SWITCH) said then, so asking would stand in for the probe."""
     import platform
 
     from torch._inductor import cpu_vec_isa
@@ -80,13 +81,19 @@ def usable_vec_isas() -> list[str]:
     return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
 
 
-def take_vec_isas_as_built() -> None:
-    """Inductor takes every instruction set the CPU lists as buildable, without probing, in this
-    process from now on."""
-    from torch._inductor import config, cpu_vec_isa
+# Inductor's switch that takes every instruction set the CPU lists as buildable, skipping the probe
+# (TORCHINDUCTOR_VEC_ISA_OK), as a config patch.
+VEC_ISA_SWITCH = "cpp.vec_isa_ok"
 
-    config.cpp.vec_isa_ok = True
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+@contextlib.contextmanager
+def inductor_config_patched(patches: dict) -> Iterator[None]:
+    """Inductor's config with patches inside (what a compile's options= does), for work that takes no
+    options: loading a saved graph."""
+    from torch._inductor import config
+
+    with config.patch(patches):
+        yield
 
 
 def cpp_compiler() -> str:

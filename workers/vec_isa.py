@@ -11,15 +11,18 @@ the AVX-512 and AMX variants (bf16, VNNI, AMX-FP16) are still probed with progra
 
 The answer depends on the host only: its CPU, its compiler and torch. So the first probe on a host is
 recorded beside inductor's default folder (one per user), and a later process whose torch, compiler
-and listed instruction sets match the record tells inductor to take every listed set as buildable
-(`torch._inductor.config.cpp.vec_isa_ok`, the switch of TORCHINDUCTOR_VEC_ISA_OK). The record is
-written only when the probe found every listed set usable; where it refused one (an old compiler),
-nothing is recorded and every process probes as before. Every compiling process ends up with the same
-setting, which inductor's cache keys include.
+and listed instruction sets match the record compiles and loads its steps with inductor's switch that
+takes every listed set as buildable (`cpp.vec_isa_ok`, TORCHINDUCTOR_VEC_ISA_OK for a whole process).
+The record is written only when the probe found every listed set usable; where it refused one (an old
+compiler), nothing is recorded and every process probes as before. The switch goes into the options
+of warpspec's own graphs only, the first process's included: inductor's cache keys hold it, so every
+process builds its steps under the same options, and a caller's own torch.compile in the same process
+keeps torch's defaults.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -30,10 +33,10 @@ from pathlib import Path
 import torch
 
 from warpspec.workers.torch_internals import (
+    VEC_ISA_SWITCH,
     cpp_compiler,
     inductor_default_cache_dir,
     listed_vec_isas,
-    take_vec_isas_as_built,
     usable_vec_isas,
 )
 
@@ -48,23 +51,23 @@ def default_record() -> Path:
     return Path(inductor_default_cache_dir(), RECORD)
 
 
-def use_recorded_vec_isas(record: Path | None = None) -> bool:
-    """Skip inductor's instruction-set probe if record says this host passed it; else probe now (what
-    the first compile would do anyway) and record a probe that found every listed set usable.
-    Returns whether the probe is skipped from now on in this process."""
+@functools.cache
+def vec_isa_options(record: Path | None = None) -> dict:
+    """Inductor options for warpspec's step graphs: the switch that skips the instruction-set probe
+    where record says this host passed it, probing now where it does not (what the first compile
+    would do anyway) and recording a probe that found every listed set usable; {} where the probe
+    refused a set. Once per process."""
     record = default_record() if record is None else record
     host = host_facts()
     if read_record(record) == host:
-        take_vec_isas_as_built()
-        return True
+        return {VEC_ISA_SWITCH: True}
     usable = usable_vec_isas()  # the probe
     if not should_record(host["listed"], usable):
         logger.info("the compiler cannot build every instruction set the CPU lists (%s, usable: %s); "
                     "inductor probes them in every process", host["listed"], usable)
-        return False
-    take_vec_isas_as_built()
+        return {}
     write_record(record, host)
-    return True
+    return {VEC_ISA_SWITCH: True}
 
 
 def host_facts() -> dict:

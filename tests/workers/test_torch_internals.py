@@ -126,14 +126,15 @@ def test_the_force_eager_stance_is_seen():
     assert not torch_internals.forcing_eager()
 
 
-def test_inductors_instruction_set_probe_and_its_switch(monkeypatch):
+def test_inductors_instruction_set_probe_and_its_switch():
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", config.cpp.vec_isa_ok)
     listed = torch_internals.listed_vec_isas()  # read from /proc/cpuinfo, nothing built
     assert isinstance(listed, list) and all(isinstance(name, str) for name in listed), listed
     usable = torch_internals.usable_vec_isas()  # the probe (or this process's answer to it)
     assert set(usable) <= set(listed), (usable, listed)
     assert shutil.which(torch_internals.cpp_compiler()), torch_internals.cpp_compiler()
-    torch_internals.take_vec_isas_as_built()
-    assert config.cpp.vec_isa_ok is True
+    before = config.cpp.vec_isa_ok
+    with torch_internals.inductor_config_patched({torch_internals.VEC_ISA_SWITCH: True}):
+        assert config.cpp.vec_isa_ok is True
+    assert config.cpp.vec_isa_ok == before

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from warpspec.workers import torch_internals
-from warpspec.workers.vec_isa import host_facts, read_record, should_record, use_recorded_vec_isas
+from warpspec.workers.vec_isa import host_facts, read_record, should_record, vec_isa_options
 
 # A start: counts inductor's probes of a listed set (VecISA.check_build of its common program, once
 # per set; AVX-512 and AMX build extra programs for their variants whatever the switch says), then
@@ -24,7 +24,7 @@ START = textwrap.dedent("""
     import json, sys
     import torch
     from torch._inductor import config, cpu_vec_isa
-    from warpspec.workers.vec_isa import use_recorded_vec_isas
+    from warpspec.workers.vec_isa import vec_isa_options
 
     probes = []
     check_build = cpu_vec_isa.VecISA.check_build
@@ -34,11 +34,11 @@ START = textwrap.dedent("""
         return check_build(self, code)
     cpu_vec_isa.VecISA.check_build = counted
 
-    skipped = use_recorded_vec_isas(__import__("pathlib").Path(sys.argv[1]))
+    options = vec_isa_options(__import__("pathlib").Path(sys.argv[1]))
     if sys.argv[2] == "compile":
         x = torch.arange(8.0)
-        assert torch.equal(torch.compile(lambda t: t * 2 + 1)(x), x * 2 + 1)
-    print(json.dumps({"skipped": skipped, "probes": probes, "vec_isa_ok": config.cpp.vec_isa_ok,
+        assert torch.equal(torch.compile(lambda t: t * 2 + 1, options=options)(x), x * 2 + 1)
+    print(json.dumps({"options": options, "probes": probes, "vec_isa_ok": config.cpp.vec_isa_ok,
                       "used": [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]}))
 """)
 
@@ -62,12 +62,13 @@ def test_the_first_start_on_a_host_probes_and_records_the_next_skips_the_probe(t
     record = tmp_path / "vec-isa.json"
     first = start(record)
     assert sorted(first["probes"]) == sorted(listed)  # every listed set built (or found) and loaded
-    assert first["skipped"] and first["vec_isa_ok"] is True and first["used"] == listed
+    assert first["options"] == {"cpp.vec_isa_ok": True} and first["used"] == listed
     assert read_record(record) == host_facts()  # this process's facts: same torch, compiler, CPU
 
+    # The switch is in the options of the graphs it compiles, not the process's config.
     second = start(record, compile=True)
-    assert second["probes"] == [] and second["skipped"] and second["vec_isa_ok"] is True
-    assert second["used"] == first["used"]
+    assert second["probes"] == [] and second["options"] == {"cpp.vec_isa_ok": True}
+    assert second["vec_isa_ok"] is None and second["used"] == first["used"]
 
 
 @pytest.mark.parametrize("stale", ["compiler_stat", "not json"])  # any field: the record is compared whole
@@ -90,12 +91,9 @@ def test_only_a_probe_that_found_every_listed_set_usable_is_recorded():
     assert not should_record([], [])  # nothing listed: nothing to skip
 
 
-def test_a_record_that_cannot_be_written_costs_only_the_probe(tmp_path, listed, monkeypatch, caplog):
-    from torch._inductor import config
-
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", config.cpp.vec_isa_ok)
+def test_a_record_that_cannot_be_written_costs_only_the_probe(tmp_path, listed, caplog):
     (tmp_path / "file").write_text("")
     record = tmp_path / "file" / "vec-isa.json"  # its folder is a file
     with caplog.at_level("INFO", logger="warpspec.workers.vec_isa"):
-        assert use_recorded_vec_isas(record)
+        assert vec_isa_options(record) == {"cpp.vec_isa_ok": True}
     assert not record.exists() and "not recorded" in caplog.text
