@@ -23,6 +23,7 @@ keeps torch's defaults.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -42,13 +43,12 @@ from warpspec.workers.torch_internals import (
 
 logger = logging.getLogger(__name__)
 
-RECORD = "warpspec-vec-isa.json"
-
-
 def default_record() -> Path:
     """Where the host's record lives: inductor's default folder, one per user on a host whatever
-    compile-cache folder a process uses."""
-    return Path(inductor_default_cache_dir(), RECORD)
+    compile-cache folder a process uses, and one per torch installation (each virtual environment
+    its own, so that two do not replace each other's)."""
+    install = hashlib.sha256(str(Path(torch.__file__).parent).encode()).hexdigest()[:12]
+    return Path(inductor_default_cache_dir(), f"warpspec-vec-isa-{install}.json")
 
 
 @functools.cache
