@@ -6,7 +6,7 @@ program against ATen's vector headers into the inductor folder, then starts a Py
 loads it. Measured on 2 cores (torch 2.13, Intel Xeon with AMX, 4 sets listed): 15.5 s in a folder
 that has not built them yet, 1.8 s in one that has (the loading processes alone). Every process that
 compiles or loads a step pays it, each worker and coordinator at every start, and every new
-compile-cache folder pays the 15 s; the test suite opens dozens. Without that probe, 3.7 s and 0.6 s:
+compile-cache folder pays the 15 s (a test's own folder, each simulated node's). Without that probe, 3.7 s and 0.6 s:
 the AVX-512 and AMX variants (bf16, VNNI, AMX-FP16) are still probed with programs of their own.
 
 The answer depends on the host only: its CPU, its compiler and torch. So the first probe on a host is
@@ -42,6 +42,7 @@ from warpspec.workers.torch_internals import (
 )
 
 logger = logging.getLogger(__name__)
+
 
 def default_record() -> Path:
     """Where the host's record lives: inductor's default folder, one per user on a host whatever
