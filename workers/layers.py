@@ -23,6 +23,7 @@ from torch import nn
 
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8, quantize_fp8_columns
+from warpspec.kernels.transpose import transpose
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 
@@ -109,19 +110,23 @@ def load_experts(param: nn.Parameter, loaded: CheckpointTensor, name: str, first
             scale.data[e, into].copy_(weight_scale)
 
 
-# Rows of the source per block of a transposing copy: the fastest of 16 .. 512 on the 2-core machine
-# (a [1024, 2048] bf16 expert: 2.6 GB/s, against 0.9 for one 2D copy and 0.56 for a 3D one).
+# Rows of the source per block of torch's transposing copy, where kernels/transpose.py is not available:
+# the fastest of 16 .. 512 on the 2-core machine (a [1024, 2048] bf16 expert: 2.6 GB/s, against 0.9 for
+# one 2D copy and 0.56 for a 3D one).
 TRANSPOSE_ROWS = 256
 
 
 def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src) for 2D tensors. A dst stored transposed (stride 1 along its rows) is written in
-    blocks of TRANSPOSE_ROWS source rows, each block's reads and writes fitting the caches: one
-    strided copy of the whole took 2.7 of a 2 GB checkpoint's 5.2 s load (`warpspec bench weights`)."""
+    """dst.copy_(src) for 2D tensors. A dst stored transposed (stride 1 along its rows) is written by
+    kernels/transpose.py (5.3 GB/s on 2 cores) or, without a C compiler, in blocks of TRANSPOSE_ROWS
+    source rows, each block's reads and writes fitting the caches: one strided copy of the whole took
+    2.7 of a 2 GB checkpoint's 5.2 s load (`warpspec bench weights`)."""
     if dst.stride(0) != 1 or dst.shape[1] == 1:
         dst.copy_(src)
         return
-    out, src = dst.t(), src.to(dst.dtype)  # out [cols, rows] contiguous
+    out, src = dst.t(), src.to(dst.dtype)  # out [cols, rows], rows contiguous
+    if transpose(src, out):
+        return
     for start in range(0, src.shape[0], TRANSPOSE_ROWS):
         out[:, start:start + TRANSPOSE_ROWS].copy_(src[start:start + TRANSPOSE_ROWS].t())
 

@@ -3,18 +3,24 @@ peak memory while loading."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from waiting import wait_for
 
 from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.errors import CheckpointError
-from warpspec.workers.loader import load_model
+from warpspec.workers.loader import READ_AHEAD_BLOCK, ReadAhead, advise_huge_pages, load_model
 from warpspec.workers.model_config import ModelConfig
 
 
@@ -186,3 +192,71 @@ def test_peak_memory_while_loading_stays_near_model_size(tmp_path):
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["model_bytes"] > 100e6  # large enough that interpreter noise cannot hide a doubling
     assert figures["peak_growth_bytes"] <= 1.3 * figures["model_bytes"], figures
+
+
+def resident_fraction(path: Path) -> float:
+    """The share of the file's pages in the page cache (mincore on a private mapping that is never
+    touched: asking does not read anything in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mapping:
+        pages = -(-len(mapping) // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        start = ctypes.c_char.from_buffer(mapping)
+        try:
+            assert libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(len(mapping)), vector) == 0
+        finally:
+            del start  # the mapping cannot close while exported
+    return sum(v & 1 for v in vector) / pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise as Linux has them")
+def test_read_ahead_reads_the_files_into_the_page_cache_one_file_beyond_the_loader(tmp_path):
+    files = []
+    for i in range(3):
+        files.append(tmp_path / f"model-{i}.safetensors")
+        files[-1].write_bytes(os.urandom(3 * READ_AHEAD_BLOCK // 2))  # a whole block and half of one
+        with files[-1].open("rb") as f:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if any(resident_fraction(f) > 0.1 for f in files):
+        pytest.skip("this kernel keeps the files cached after POSIX_FADV_DONTNEED")
+    with ReadAhead(files, files_ahead=1) as read_ahead:
+        wait_for(lambda: resident_fraction(files[1]) == 1.0, 30, "the first two files read ahead")
+        assert resident_fraction(files[0]) == 1.0
+        time.sleep(0.5)
+        assert resident_fraction(files[2]) < 0.1  # the loader is still on the first file
+        read_ahead.file_done()
+        wait_for(lambda: resident_fraction(files[2]) == 1.0, 30, "the third file, once the first was loaded")
+    read_ahead.thread.join(10)
+    assert not read_ahead.thread.is_alive()
+
+
+def test_a_load_that_fails_stops_its_read_ahead(checkpoint):
+    _rewrite_tensors(checkpoint, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match="missing tensor lm_head.weight"):
+        load_model(checkpoint)
+    wait_for(lambda: not any(t.name == "warpspec-read-ahead" for t in threading.enumerate()), 10,
+             "the read-ahead thread to end")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_cpu_parameters_are_advised_to_take_huge_pages():
+    """The kernel marks a range advised MADV_HUGEPAGE with "hg" in its mapping's VmFlags."""
+    module = torch.nn.Module()
+    module.big = torch.nn.Parameter(torch.empty(4 << 20, dtype=torch.bfloat16), requires_grad=False)  # 8 MiB
+    module.small = torch.nn.Parameter(torch.empty(16), requires_grad=False)
+    advise_huge_pages(module)
+    assert "hg" in vm_flags(module.big.data_ptr() + (4 << 20))
+
+
+def vm_flags(address: int) -> list[str]:
+    """/proc/self/smaps' VmFlags of the mapping that holds address."""
+    holds = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            holds = start <= address < end
+        elif holds and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
