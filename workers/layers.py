@@ -118,7 +118,7 @@ TRANSPOSE_ROWS = 256
 
 def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) for 2D tensors. A dst stored transposed (stride 1 along its rows) is written by
-    kernels/transpose.py (5.3 GB/s on 2 cores) or, without a C compiler, in blocks of TRANSPOSE_ROWS
+    kernels/transpose.py (4.0-4.8 GB/s on 2 cores) or, without a C compiler, in blocks of TRANSPOSE_ROWS
     source rows, each block's reads and writes fitting the caches: one strided copy of the whole took
     2.7 of a 2 GB checkpoint's 5.2 s load (`warpspec bench weights`)."""
     if dst.stride(0) != 1 or dst.shape[1] == 1:

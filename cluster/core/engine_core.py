@@ -74,6 +74,9 @@ class Executor(Protocol):
 DRAFT_BACKLOG = 128
 # Batch sizes the step cost model times at start-up: ~1 s on the bundled pair on 2 CPU cores.
 TIMED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# The stand-in prompt's length at start-up (EngineCore._warm_up_prefill): 8 tokens left the first
+# request as slow as without it, 64 and more did not.
+WARM_UP_PROMPT_TOKENS = 256
 
 
 def _graphs_built(warm_up, whose: str) -> str:
@@ -143,17 +146,48 @@ class EngineCore:
                 phase.detail = _graphs_built(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
         if warm_up_draft is None:
-            return  # nor take stand-in requests to be timed: its step costs are learnt from real steps
+            with self.startup.phase("warm-up prompt") as phase:
+                phase.detail = self._warm_up_prefill(with_draft=False)
+            return  # nor take stand-in requests: its step costs are learnt from real steps
         if self.config.enforce_eager or not self.config.speculative.compile_draft:
             warm_up_draft()  # a proposer of the caller's own may warm up without compiling
         else:
             with self.startup.phase("compile draft steps") as phase:
                 phase.detail = _graphs_built(warm_up_draft, "draft")
+        with self.startup.phase("warm-up prompt") as phase:
+            phase.detail = self._warm_up_prefill(with_draft=True)
         k = self.draft_lengths.max_drafts
         # A cache too small to hold the stand-ins' backlog: the costs are learnt from real steps alone.
         if self.draft_lengths.adaptive and self.executor.num_blocks * self.block_size > DRAFT_BACKLOG + 2 * k:
             with self.startup.phase("time steps") as phase:
                 phase.detail = self._time_steps()
+
+    def _warm_up_prefill(self, with_draft: bool) -> str:
+        """One stand-in prompt of random tokens through the target, and with_draft the draft's first
+        proposal after it (a proposer with warm_up takes stand-ins, as for the step timing), before
+        the first request. A process's first prefills pay for the memory their activations take the
+        first time (page faults) and for first calls into the GEMM library: the bundled pair's first
+        33-token request took 28-38 ms in-process against 15-25 for the next ones, 23-33 ms after a
+        stand-in of 256 tokens. It runs in the first blocks, which no request holds yet, and leaves
+        the executor's batch with the next step."""
+        num_tokens = min(WARM_UP_PROMPT_TOKENS, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1,
+                         self.executor.num_blocks * self.block_size)
+        generator = torch.Generator().manual_seed(0)
+        token_ids = torch.randint(self.model_config.vocab_size, (num_tokens + 1,), generator=generator).tolist()
+        table = list(range(-(-num_tokens // self.block_size)))
+        request_id = "warm-up-prompt"
+        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
+        windows = [table] * self.kv_layout.num_window_groups  # a hybrid cache's chunked groups
+        plan = StepPlan([SequenceStep(token_ids[:-1], 0, table, num_tokens - 1, request_id, windows)],
+                        self.block_size, aux_layer_ids, chunk_size=self.kv_layout.chunk_size)
+        output = self.executor.execute(plan)
+        self.left_request_ids.append(request_id)
+        if with_draft:  # its features at p with the token at p + 1, the last one as if sampled
+            request = DraftRequest(request_id, token_ids[1:], 0, 0, self.draft_lengths.max_drafts, table, 0.0,
+                                   KeyedRandom(0))
+            self.proposer.propose([request], output.aux_hidden)
+            self.proposer.release([request_id])
+        return f"{num_tokens} tokens"
 
     def _draft_length_policy(self) -> DraftLengthPolicy | None:
         if self.proposer is None:

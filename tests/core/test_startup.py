@@ -8,7 +8,8 @@ import time
 import pytest
 from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
-from warpspec import LLM
+from warpspec import LLM, SamplingParams
+from warpspec.core.engine_core import WARM_UP_PROMPT_TOKENS
 from warpspec.core.startup import StartupPhase, StartupTimer, startup_table
 
 
@@ -35,8 +36,12 @@ def test_an_engine_in_this_process_reports_its_weights_and_its_draft(pair):
     target, draft = pair
     with LLM(str(target), dtype="float32", draft=str(draft), enforce_eager=True) as llm:
         phases = llm.startup
-    assert [p.name for p in phases] == ["weights and KV cache", "draft"]  # eager: nothing compiles
+        stats, step_budget = llm.engine.stats(), llm.engine.config.scheduler.max_num_batched_tokens
+    assert [p.name for p in phases] == ["weights and KV cache", "draft", "warm-up prompt"]  # eager: nothing compiles
     assert phases[0].detail.startswith("1 rank, ") and all(p.seconds > 0 for p in phases)
+    # The stand-in prompt: as long as the step budget allows (WARM_UP_PROMPT_TOKENS at most), and gone.
+    assert phases[2].detail == f"{min(WARM_UP_PROMPT_TOKENS, step_budget)} tokens"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0
 
 
 @pytest.mark.slow
@@ -45,5 +50,8 @@ def test_an_engine_on_ray_reports_placement_the_coordinators_start_and_its_phase
     with LLM(str(target), dtype="float32", draft=str(draft), num_workers=1, executor="ray",
              enforce_eager=True) as llm:
         phases = llm.startup
-    assert [p.name for p in phases] == ["placement", "coordinator process", "weights and KV cache", "draft"]
+        # The coordinator's batch forgot the stand-in prompt: a request runs beside nothing.
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    assert [p.name for p in phases] == ["placement", "coordinator process", "weights and KV cache", "draft",
+                                        "warm-up prompt"]
     assert phases[2].detail.startswith("1 rank, ") and all(p.seconds >= 0 for p in phases)

@@ -113,7 +113,7 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
             warm_graphs = warm_compiles + graph_runner.compiled.num_loaded if graph_runner else 0
             assert warm_graphs == (0 if enforce_eager else 2)
             # Start-up reports the compile as a phase of its own, both graphs in it (from the cache or not).
-            phases = ["weights and KV cache"] + ([] if enforce_eager else ["compile target steps"])
+            phases = ["weights and KV cache", *([] if enforce_eager else ["compile target steps"]), "warm-up prompt"]
             assert [p.name for p in llm.startup] == phases
             if not enforce_eager:
                 loaded, compiled = re.fullmatch(r"rank 0: (\d+) graphs loaded from the compile cache, (\d+) compiled",
