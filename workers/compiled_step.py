@@ -278,8 +278,9 @@ def step_marker(block_tables_at: int) -> Callable[[tuple], None]:
 class CompiledStepRunner:
     """Runs uniform steps through torch.compile'd forwards; `run` returns None for any other step.
 
-    config: the query lengths and the longest context of the CUDA graphs; its batch sizes only choose
-    the batch whose eager time picks a graph's thread count (thread_sample)."""
+    config: the query lengths and the longest context of the CUDA graphs; its batch sizes choose the
+    batch whose eager time picks a graph's thread count (thread_sample), and whether a graph for
+    several sequences is built at all (not when the largest is 1: such steps run eagerly)."""
 
     def __init__(self, model, config: CudaGraphConfig, block_size: int, kv_layout: KVGroupLayout | None = None,
                  kv_caches: list[torch.Tensor] = ()):
@@ -311,6 +312,8 @@ class CompiledStepRunner:
     def runs_compiled(self, step: StepInput) -> bool:
         q = uniform_query_len(step)
         if q is None or q not in self.config.query_lens:
+            return False
+        if step.seq_lens.shape[0] > 1 and not self.config.several_sequences:
             return False
         return step.block_tables.shape[1] <= self.max_blocks
 
@@ -345,11 +348,12 @@ class CompiledStepRunner:
         self.thread_counts[self._graph_of(step)] = count
 
     def warm_up_steps(self, aux_layer_ids: list[int]) -> list[StepInput]:
-        """One step of every graph a replica needs: each query length, for one sequence and for two.
-        They write into the first blocks, which no request holds yet (a position's KV is always
-        written before it is read)."""
+        """One step of every graph a replica needs: each query length, for one sequence and, unless
+        sequences run one at a time, for two. They write into the first blocks, which no request
+        holds yet (a position's KV is always written before it is read)."""
+        batches = (1, 2) if self.config.several_sequences else (1,)
         return [self._warm_up_step(query_len, num_seqs, aux_layer_ids)
-                for query_len in self.config.query_lens for num_seqs in (1, 2)]
+                for query_len in self.config.query_lens for num_seqs in batches]
 
     def thread_sample(self, step: StepInput) -> StepInput:
         """The step whose eager time picks the thread count of step's graph: step itself for one

@@ -38,6 +38,11 @@ class CudaGraphConfig:
         if not self.query_lens or min(self.query_lens) < 1:
             raise ValueError(f"cuda graph query_lens must be positive, got {self.query_lens}")
 
+    @property
+    def several_sequences(self) -> bool:
+        """Whether any graph runs several sequences: not when an engine admits one at a time."""
+        return max(self.batch_sizes) > 1
+
 
 def uniform_query_len(step: StepInput) -> int | None:
     """The common number of new tokens per sequence when the step is graph-shaped, else None."""

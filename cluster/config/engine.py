@@ -30,6 +30,16 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def graph_batch_sizes(sizes: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes worth a graph when at most max_num_seqs sequences run together: the smaller
+    ones and the first that holds max_num_seqs (a batch pads up to it); none past it, which no step
+    would use. (1, 2, 4, 8) at 3 -> (1, 2, 4); at 1 -> (1,), and a CPU replica builds no graph for
+    several sequences."""
+    sizes = sorted(set(sizes))
+    holding = [b for b in sizes if b >= max_num_seqs]
+    return tuple(b for b in sizes if b < max_num_seqs) + tuple(holding[:1])
+
+
 EXECUTORS = ("auto", "local", "ray")
 DISPATCH_MODES = ("compiled", "actor")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
@@ -150,7 +160,7 @@ class EngineConfig:
         if self.enforce_eager:
             return None
         k = self.speculative.num_speculative_tokens
-        return CudaGraphConfig(batch_sizes=tuple(self.cuda_graph_batch_sizes),
+        return CudaGraphConfig(batch_sizes=graph_batch_sizes(self.cuda_graph_batch_sizes, self.scheduler.max_num_seqs),
                                query_lens=(1, k + 1) if self.speculative.enabled else (1,),
                                max_model_len=self.max_model_len or CudaGraphConfig.max_model_len)
 

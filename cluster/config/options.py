@@ -57,8 +57,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "run every step eagerly: no CUDA graphs, no compiled CPU steps, no compiled draft "
                  "(WARPSPEC_ENFORCE_EAGER=1 makes it the default)"),
     EngineOption("cuda_graph_batch_sizes", "cuda_graph_batch_sizes", tuple, CudaGraphConfig.batch_sizes,
-                 "batch sizes captured as CUDA graphs (the target's steps, the draft's greedy proposal); on a "
-                 "CPU, compiled steps cover every batch size"),
+                 "batch sizes captured as CUDA graphs (the target's steps, the draft's greedy proposal), up to "
+                 "the first that holds max_num_seqs; on a CPU, compiled steps cover every batch size (one "
+                 "sequence only when max_num_seqs is 1)"),
     EngineOption("seed", "seed", int, 0, "seeds the requests that bring no seed of their own"),
     EngineOption("run_dir", "run_dir", str, "runs", "a local Ray cluster's session files and compile caches"),
     EngineOption("compile_cache", "compile_cache", str, None,

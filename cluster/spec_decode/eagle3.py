@@ -128,7 +128,8 @@ class Eagle3Proposer:
         weight copies are made on first use, a side effect torch.compile would not keep).
         num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1.
         cuda_graphs: on a CUDA device (compiled, not deterministic), replay greedy proposals of these
-        batch sizes and lengths as CUDA graphs (workers/draft_cuda_graphs.py)."""
+        batch sizes and lengths as CUDA graphs (workers/draft_cuda_graphs.py); on a CPU, a largest
+        batch size of 1 (max_num_seqs 1) leaves out the compiled steps' graphs for several requests."""
         c = draft.config
         self.deterministic = deterministic
         self.device = torch.device(device)
@@ -144,6 +145,7 @@ class Eagle3Proposer:
         # which would otherwise be built again at every growth.
         mark_dynamic(draft.kv_cache, 1)
         self.catch_up_len = num_speculative_tokens + 1
+        self.several_requests = cuda_graphs is None or cuda_graphs.several_sequences
         self.decode_compiler: CountingCompiler | None = None
         self.compiled_decode: CompiledWithFallback | None = None
         self.catch_up_compiler: CountingCompiler | None = None
@@ -334,17 +336,18 @@ class Eagle3Proposer:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Build the compiled graphs before the first request needs them: the padded catch-up, the
-        decode step and the greedy proposal, each for one request and for two, with the thread count
-        that runs it fastest eagerly (chosen first: a graph guards on the count it was built with) or
-        that its saved build has (workers/step_artifacts.py);
-        then the dense halves a prompt's catch-up runs. A graph for two or more requests serves every
-        batch, so its count is timed on THREAD_SAMPLE_SEQS requests, as the target's is
-        (workers/compiled_step.py). The steps write into the first blocks, which no request holds
-        yet. Then the step graphs check only the guards that tell them apart (CountingCompiler.seal)."""
+        decode step and the greedy proposal, each for one request and (unless requests run one at a
+        time: several_requests) for two, with the thread count that runs it fastest eagerly (chosen
+        first: a graph guards on the count it was built with) or that its saved build has
+        (workers/step_artifacts.py); then the dense halves a prompt's catch-up runs. A graph for two
+        or more requests serves every batch, so its count is timed on THREAD_SAMPLE_SEQS requests,
+        as the target's is (workers/compiled_step.py). The steps write into the first blocks, which
+        no request holds yet. Then the step graphs check only the guards that tell them apart
+        (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
         progress = tqdm(desc="compiling the draft's steps", unit="graph", disable=None, leave=False)
-        for one in (True, False):
+        for one in (True, False) if self.several_requests else (True,):
             graphs = self._warm_up_graphs(1 if one else 2)
             samples = graphs if one else self._warm_up_graphs(THREAD_SAMPLE_SEQS)
             for (graph, compiled, eager, inputs), (*_, sample) in zip(graphs, samples, strict=True):

@@ -13,6 +13,7 @@ from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, CompiledWithFallback, Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest
 from warpspec.workers.compiled_step import THREAD_SAMPLE_SEQS, CountingCompiler
+from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
 from warpspec.workers.model_config import ModelConfig
@@ -123,14 +124,18 @@ def test_a_second_start_loads_the_dense_halves_and_proposes_the_eager_drafts(pro
     assert [c.num_compiles for c in compilers] == [0] * 5
 
 
-def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larger_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("batch_sizes", [(1, 2, 4), (1,)], ids=["several", "one at a time"])
+def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larger_batch(tmp_path, monkeypatch,
+                                                                                          batch_sizes):
     """One request's graphs time their own step; each graph of two or more serves every batch, so its
-    thread count is timed on THREAD_SAMPLE_SEQS requests (as the target's is)."""
+    thread count is timed on THREAD_SAMPLE_SEQS requests (as the target's is). An engine that runs
+    one request at a time (max_num_seqs 1: batch sizes (1,)) builds no graph for several."""
     target = make_speculation_target(tmp_path / "target")
     config = ModelConfig.from_pretrained(target)
     embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
     draft = load_eagle3(make_speculation_draft(tmp_path / "draft"), config, embed, torch.float32)
-    proposer = Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, num_speculative_tokens=K)
+    proposer = Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, num_speculative_tokens=K,
+                              cuda_graphs=CudaGraphConfig(batch_sizes=batch_sizes))
     timed_rows = []
 
     def first_rows_of(run):
@@ -158,10 +163,12 @@ def test_the_draft_graphs_for_several_requests_time_their_thread_count_on_a_larg
     monkeypatch.setattr(Eagle3Proposer, "_run", lambda self, plan, features: None)
     proposer.warm_up()
     n = THREAD_SAMPLE_SEQS
+    several = batch_sizes != (1,)
     # catch-up, decode step, greedy proposal: one request, then THREAD_SAMPLE_SEQS.
-    assert timed_rows == [K + 1, 1, K + 1, n * (K + 1), n, n * (K + 1)]
+    assert timed_rows == [K + 1, 1, K + 1] + ([n * (K + 1), n, n * (K + 1)] if several else [])
     graphs = (K + 1, 1, GREEDY_PROPOSAL)
-    assert proposer.thread_counts == {(graph, one): 2 for graph in graphs for one in (True, False)}
+    ones = (True, False) if several else (True,)
+    assert proposer.thread_counts == {(graph, one): 2 for graph in graphs for one in ones}
 
 
 class Rotate(torch.nn.Module):

@@ -137,6 +137,23 @@ def test_a_long_generation_compiles_nothing_after_start_up_and_emits_the_eager_t
     assert model() is None
 
 
+def test_one_sequence_at_a_time_builds_only_its_graph(checkpoint):
+    """max_num_seqs 1: start-up builds (or loads) the one-sequence graph alone; two prompts, run one
+    after the other, decode through it to the eager tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts([5, 12])
+    tokens = {}
+    for enforce_eager in (True, False):
+        with LLM(str(checkpoint), dtype="float32", block_size=BLOCK, max_num_seqs=1,
+                 enforce_eager=enforce_eager) as llm:
+            tokens[enforce_eager] = [o.token_ids for o in llm.generate(prompts, params)]
+            if not enforce_eager:
+                graph_runner = llm.engine.executor.runner.graph_runner
+                assert graph_runner.num_compiles + graph_runner.compiled.num_loaded == 1
+                assert graph_runner.num_compiled_steps == 1 + 2 * 11  # warm-up, then every decode step
+    assert tokens[False] == tokens[True]
+
+
 # Run in a fresh process: every compiled test in this one adds graphs for the same code, and a runner
 # checks only the distinguishing guards while every graph for its code is its own.
 SEALED_RUN = """
