@@ -23,6 +23,7 @@ from warpspec.workers.compile_cache import (
     unpack,
 )
 from warpspec.workers.torch_internals import compile_with_inductor, fx_graph_cache_counts, inductor_default_cache_dir
+from warpspec.workers.vec_isa import vec_isa_options
 
 
 @pytest.fixture(autouse=True)
@@ -38,10 +39,12 @@ def scale_and_shift(x):
 
 def compile_once(folder) -> torch.Tensor:
     """scale_and_shift compiled into folder, on a code object of its own (dynamo's in-memory graphs
-    of another copy do not count)."""
+    of another copy do not count), with the instruction-set switch warpspec's steps compile under:
+    without it each new folder paid inductor's probe again (about 10 s of the 15 a compile took)."""
     open_compile_cache(folder, "unused")
     fn = type(scale_and_shift)(scale_and_shift.__code__.replace(), globals(), "scale_and_shift")
-    compiled = torch.compile(fn, backend=lambda g, inputs: compile_with_inductor(g, inputs, {}), dynamic=False)
+    options = vec_isa_options()
+    compiled = torch.compile(fn, backend=lambda g, inputs: compile_with_inductor(g, inputs, options), dynamic=False)
     return compiled(torch.arange(6.0))
 
 
