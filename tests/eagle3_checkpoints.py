@@ -54,14 +54,14 @@ def make_eagle3_checkpoint(path: Path, hidden: int, vocab: int, draft_vocab: int
 
 
 def make_speculation_target(path: Path) -> Path:
-    """The target the speculative-decoding tests draft for: 6 layers (aux layers 1, 3, 4 exist),
-    chunked attention and NoPE layers both exercised, every second layer MoE."""
+    """The target the speculative-decoding tests draft for: 4 layers, chunked attention (0-2) and
+    NoPE (3) both exercised, every second layer MoE; the draft reads the stream entering 1, 2 and 3."""
     from hf_checkpoints import make_text_checkpoint
 
-    return make_text_checkpoint(path, num_hidden_layers=6, attention_chunk_size=8, floor_scale=4,
+    return make_text_checkpoint(path, num_hidden_layers=4, attention_chunk_size=8, floor_scale=4,
                                 interleave_moe_layer_step=2)
 
 
 def make_speculation_draft(path: Path) -> Path:
-    """A random EAGLE-3 draft for make_speculation_target: half its vocabulary, its layers 1, 3, 4."""
-    return make_eagle3_checkpoint(path, hidden=64, vocab=160, draft_vocab=64, aux_layer_ids=[1, 3, 4])
+    """A random EAGLE-3 draft for make_speculation_target: half its vocabulary, its layers 1, 2, 3."""
+    return make_eagle3_checkpoint(path, hidden=64, vocab=160, draft_vocab=64, aux_layer_ids=[1, 2, 3])

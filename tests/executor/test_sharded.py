@@ -131,15 +131,28 @@ def test_decode_step_uses_two_collectives_per_layer(ray_cluster, checkpoint):
     assert [a - b for a, b in zip(after, before, strict=True)] == [num_steps * (2 * num_layers + 2)] * 2
 
 
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    """The checkpoint's kinds of layer in two (chunked and dense, then NoPE and MoE): what each rank
+    compiles costs about 2.5 s per layer and graph. Its single process's outputs with it."""
+    path = make_text_checkpoint(tmp_path_factory.mktemp("two-layers"), num_hidden_layers=2, no_rope_layers=[1, 0],
+                                num_local_experts=5, interleave_moe_layer_step=2, num_attention_heads=4,
+                                num_key_value_heads=2, attention_chunk_size=8, floor_scale=4,
+                                tie_word_embeddings=False)
+    with LLM(str(path), dtype="float32") as llm:
+        return path, llm.generate(_prompts(), PARAMS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("comm_backend,joined", [("auto", "shm"), ("gloo", "gloo")])
-def test_compiled_steps_over_two_workers_match_single_process(ray_cluster, checkpoint, single_process, tmp_path,
-                                                              comm_backend, joined):
+def test_compiled_steps_over_two_workers_match_single_process(ray_cluster, two_layers, tmp_path, comm_backend,
+                                                              joined):
     """Each rank runs its decode steps as one compiled graph, with collectives the compiler traces,
     and emits the eager single process's tokens and logprobs. A compiled step's collectives are not
     counted: over a prompt and two decode steps, only the prompt's show. On one host the ranks meet
     in shared memory unless told gloo."""
-    num_layers = 4
+    checkpoint, single_process = two_layers
+    num_layers = 2
     with LLM(str(checkpoint), dtype="float32", num_workers=2, enforce_eager=False, run_dir=str(tmp_path),
              comm_backend=comm_backend) as llm:
         assert [info.comm_backend for info in llm.engine.coordinator.info.workers] == [joined] * 2

@@ -3,6 +3,7 @@ sampled output follows the target's distribution."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 import weakref
@@ -183,7 +184,9 @@ def test_sampled_speculation_runs_to_length(target, draft):
 def test_public_checkpoint_layer_id_conventions(target, tmp_path):
     config = ModelConfig.from_pretrained(target)
     default = make_eagle3_checkpoint(tmp_path / "default", hidden=64, vocab=160, draft_vocab=32)
-    assert Eagle3Config.from_pretrained(default, config).aux_layer_ids == (2, 3, 3)  # (2, L // 2, L - 3), L = 6
+    # (2, L // 2, L - 3), on a deeper target (L = 8) where the three differ.
+    deeper = dataclasses.replace(config, num_hidden_layers=8, no_rope_layers=config.no_rope_layers * 2)
+    assert Eagle3Config.from_pretrained(default, deeper).aux_layer_ids == (2, 4, 5)
     declared = make_eagle3_checkpoint(tmp_path / "declared", hidden=64, vocab=160, draft_vocab=32,
                                       aux_layer_ids=[1, 2, 3], with_embeddings=True)
     assert Eagle3Config.from_pretrained(declared, config).aux_layer_ids == (1, 2, 3)

@@ -29,9 +29,10 @@ SHAPES = CudaGraphConfig(batch_sizes=(1, 2, 4), query_lens=(1, 4), max_model_len
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    # Top-2 routing over every layer's experts, chunked attention shorter than the contexts used.
-    return make_text_checkpoint(tmp_path_factory.mktemp("compiled"), interleave_moe_layer_step=1,
-                                num_experts_per_tok=2, attention_chunk_size=8)
+    # Top-2 routing over every layer's experts, chunked attention shorter than the contexts used; a
+    # chunked layer, then a NoPE one: two layers, as a graph costs about 2.5 s per layer to build.
+    return make_text_checkpoint(tmp_path_factory.mktemp("compiled"), num_hidden_layers=2, no_rope_layers=[1, 0],
+                                interleave_moe_layer_step=1, num_experts_per_tok=2, attention_chunk_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,7 @@ print(json.dumps(dict(owned=owned, built=built, still_owned=still_owned, alone=a
 @pytest.mark.slow
 def test_after_start_up_steps_call_their_graphs_directly_beside_another_model_and_emit_the_eager_tokens(
         checkpoint, tmp_path):
-    other = make_text_checkpoint(tmp_path / "other", hidden_size=32, head_dim=8)
+    other = make_text_checkpoint(tmp_path / "other", hidden_size=32, head_dim=8, num_hidden_layers=1)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 13], [7, 11, 3, 8, 21, 30]]
     with LLM(str(checkpoint), dtype="float32", block_size=BLOCK, enforce_eager=True) as llm:
