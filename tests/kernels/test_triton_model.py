@@ -13,10 +13,12 @@ from warpspec import LLM, SamplingParams  # noqa: E402
 
 
 def test_greedy_through_triton_kernels_matches_transformers(tmp_path, monkeypatch):
-    # MoE on every layer with QK-norm and 4:1 GQA, chunked attention of 8 with a NoPE layer (3),
-    # block size 4: prompts of 3 and 13 tokens cross blocks and chunks while decoding.
-    path = make_text_checkpoint(tmp_path / "ckpt", interleave_moe_layer_step=1, use_qk_norm=True,
-                                attention_chunk_size=8, floor_scale=4, attn_scale=0.5)
+    # MoE on every layer with QK-norm and 4:1 GQA, a layer of chunked attention of 8, then a NoPE
+    # one, block size 4: prompts of 3 and 13 tokens cross blocks and chunks while decoding. Two
+    # layers: the kernels run interpreted, and the time goes with the layers.
+    path = make_text_checkpoint(tmp_path / "ckpt", num_hidden_layers=2, no_rope_layers=[1, 0],
+                                interleave_moe_layer_step=1, use_qk_norm=True, attention_chunk_size=8,
+                                floor_scale=4, attn_scale=0.5)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 160, (n,), generator=gen).tolist() for n in (3, 13)]
     reference = load_reference(path)
