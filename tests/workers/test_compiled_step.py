@@ -3,6 +3,7 @@ cache included), and that the graphs are built at start-up and never again."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -72,6 +73,11 @@ def test_only_uniform_steps_within_the_shapes_run_compiled():
     assert runner.runs_compiled(decode) and runner.runs_compiled(verify) and runner.runs_compiled(many)
     for step in (mixed, prefill_tail, odd_query, too_long):
         assert not runner.runs_compiled(step)
+    # An engine that runs one sequence at a time (max_num_seqs 1) has no graph for several.
+    one_at_a_time = CompiledStepRunner(model=None, config=dataclasses.replace(SHAPES, batch_sizes=(1,)),
+                                       block_size=BLOCK)
+    assert one_at_a_time.runs_compiled(verify) and not one_at_a_time.runs_compiled(decode)
+    assert [step.seq_lens.shape[0] for step in one_at_a_time.warm_up_steps([])] == [1, 1]  # query lengths 1, 4
 
 
 @pytest.mark.slow
