@@ -80,7 +80,7 @@ def _draft_data(args: argparse.Namespace) -> None:
 
 BENCHMARKS = {name: f"warpspec.benchmarks.{name}"
               for name in ("compare", "dispatch", "throughput", "spec", "seeds", "serve", "gpu_check", "load",
-                           "weights", "restart")}
+                           "weights", "restart", "trees")}
 BENCHMARKS["fp8"] = "warpspec.benchmarks.fp8_quality"
 BENCHMARKS["moe"] = "warpspec.benchmarks.moe_parallel"
 BENCHMARKS["deterministic"] = "warpspec.benchmarks.deterministic"

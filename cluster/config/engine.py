@@ -46,6 +46,7 @@ PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 COMM_BACKENDS = ("auto", "gloo", "shm", "nccl")
 MOE_PARALLEL_MODES = ("tensor", "expert")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
+MAX_SPECULATIVE_TOKENS = 16  # drafts one verification step may hold
 
 
 @dataclass
@@ -113,8 +114,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
                              f"got {self.speculative_policy!r}")
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.aux_layer_offset not in (0, 1):
             raise ValueError(f"aux_layer_offset must be 0 (vLLM ids) or 1 (SGLang ids), got {self.aux_layer_offset!r}")
 
