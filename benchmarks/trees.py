@@ -165,8 +165,8 @@ class DraftTrees:
 
 def walk(trees: DraftTrees, prompt_len: int, tokens: list[int], new_tokens: int, shape: TreeShape) -> tuple[int, int]:
     """(accepted drafts, verifying steps) of one greedy request of new_tokens, stepped as the engine
-    steps it: near max_tokens it drafts fewer (the tree's first levels: the same nodes), and with
-    no draft left a plain decode step verifies nothing."""
+    steps it: near max_tokens only the first drafts of a path may be accepted (for a chain exactly
+    the engine's shorter chain), and with none left a plain decode step verifies nothing."""
     generated, accepted, steps = 1, 0, 0  # the prefill emits the first token
     while generated < new_tokens:
         most = min(shape.depth, new_tokens - generated - 1)
