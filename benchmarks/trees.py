@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.benchmarks.report import write_report
 from warpspec.config.engine import MAX_SPECULATIVE_TOKENS
 from warpspec.entrypoints.llm import LLM
@@ -226,13 +227,11 @@ def engine_chain(target: str, draft: str, prompts: list[list[int]], new_tokens: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
-
     parser = argparse.ArgumentParser(prog="warpspec bench trees", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(BUNDLED_TARGET))
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
     parser.add_argument("--prompts", help="a JSON file of token-id lists (default: the held-out prompts)")
-    parser.add_argument("--num-prompts", type=int, default=50)
+    parser.add_argument("--num-prompts", type=int, help="the first N prompts (default: all)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--trees", default="chain5,chain7,2x4x6,2x6x10,4x4x8,4x6x16,8x8x16",
                         help="tree shapes TOPKxDEPTHxNODES or chainK, beside the chain of --num-speculative-tokens")
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if too_wide and not args.skip_costs:
         parser.error(f"--trees: {', '.join(too_wide)}: an engine verifies at most {MAX_SPECULATIVE_TOKENS} drafts "
                      "a step (num_speculative_tokens), so no step that wide can be timed; --skip-costs for acceptance")
-    if args.num_prompts < 1 or args.new_tokens < 2:
+    if (args.num_prompts is not None and args.num_prompts < 1) or args.new_tokens < 2:
         parser.error("--num-prompts must be at least 1 and --new-tokens at least 2")
     prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else held_out_prompts()
     prompts = prompts[: args.num_prompts]
