@@ -277,9 +277,41 @@ def main(argv: list[str] | None = None) -> int:
     engine_length = acceptance_length(engine_accepted, engine_steps)
     table = render(rows, args, len(prompts), engine_length, (engine_accepted, engine_steps) == totals[shapes[0]])
     print(table)
-    write_report(args.run_dir, "trees", {"rows": rows, "engine_chain": {"accepted": engine_accepted,
-                                                                        "steps": engine_steps}}, table)
+    out = write_report(args.run_dir, "trees", {"rows": rows, "engine_chain": {"accepted": engine_accepted,
+                                                                              "steps": engine_steps}}, table)
+    plot(rows, out / "trees.png")
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Acceptance length against verified tokens, chains joined by a line; with costs, the modeled
+    tokens/s beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("acceptance_length", "acceptance length (tokens a step)")]
+    if "tokens_per_s" in rows[0]:
+        panels.append(("tokens_per_s", "modeled tokens / s (trees: at most)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    chains = sorted((r for r in rows if r["top_k"] == 1), key=lambda r: r["num_nodes"])
+    for ax, (key, label) in zip(axes[0], panels, strict=True):
+        ax.plot([r["num_nodes"] + 1 for r in chains], [r[key] for r in chains], "o-", label="chains")
+        trees = [r for r in rows if r["top_k"] > 1]
+        ax.scatter([r["num_nodes"] + 1 for r in trees], [r[key] for r in trees], marker="s", color="C1",
+                   label="trees (top_k x depth)")
+        for r in trees:
+            ax.annotate(f"{r['top_k']}x{r['depth']}", (r["num_nodes"] + 1, r[key]), fontsize=8,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xlabel("verified tokens a step (nodes + 1)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Token trees against chains, batch 1, greedy (warpspec bench trees)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def render(rows: list[dict], args: argparse.Namespace, num_prompts: int, engine_length: float,

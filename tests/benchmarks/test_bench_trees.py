@@ -55,6 +55,7 @@ def test_the_chain_computed_from_the_draft_takes_the_engines_own_steps(tmp_path,
     assert chain["acceptance_length"] > 2.5  # a trained draft: the check is not of a chain that accepts nothing
     for row in others:
         assert 1 <= row["acceptance_length"] <= row["depth"] + 1
+    assert (tmp_path / "bench" / "trees.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -70,6 +71,7 @@ def test_the_cost_columns_come_from_each_verification_lengths_engine(tmp_path, c
     for row in rows:
         assert row["verify_ms"] > 0 and row["draft_ms"] > 0 and row["tokens_per_s"] > 0
         assert row["step_ms"] == pytest.approx(row["verify_ms"] + row["draft_ms"] + row["host_ms"])
+    assert (tmp_path / "bench" / "trees.png").stat().st_size > 0
 
 
 def test_bad_arguments_name_the_flag(capsys):
