@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
+from warpspec.benchmarks.compare import read_prompts
 from warpspec.benchmarks.report import write_report
 from warpspec.config.engine import MAX_SPECULATIVE_TOKENS
 from warpspec.entrypoints.llm import LLM
@@ -39,6 +39,7 @@ from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.stats import acceptance_length
 from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -230,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="warpspec bench trees", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(BUNDLED_TARGET))
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
-    parser.add_argument("--prompts", help="a JSON file of token-id lists (default: the held-out prompts)")
+    parser.add_argument("--prompts", help="token-id prompts in the held-out prompts' JSON format, as bench compare "
+                        "reads them (default: those)")
     parser.add_argument("--num-prompts", type=int, help="the first N prompts (default: all)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--trees", default="chain5,chain7,2x4x6,2x6x10,4x4x8,4x6x16,8x8x16",
@@ -250,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                      "a step (num_speculative_tokens), so no step that wide can be timed; --skip-costs for acceptance")
     if (args.num_prompts is not None and args.num_prompts < 1) or args.new_tokens < 2:
         parser.error("--num-prompts must be at least 1 and --new-tokens at least 2")
-    prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else held_out_prompts()
+    vocab_size = ModelConfig.from_pretrained(args.target).vocab_size
+    prompts = read_prompts(args.prompts, vocab_size) if args.prompts else held_out_prompts()
     prompts = prompts[: args.num_prompts]
     k = args.num_speculative_tokens
     outputs, engine_accepted, engine_steps = engine_chain(args.target, args.draft, prompts, args.new_tokens, k)

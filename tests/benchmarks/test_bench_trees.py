@@ -44,7 +44,7 @@ def test_the_chain_computed_from_the_draft_takes_the_engines_own_steps(tmp_path,
     """On the bundled pair (acceptance ~3.3): the chain k=3 walked here accepts exactly what the
     engine's chain accepted, step by step in total; every tree stays within its depth."""
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(held_out_prompts()[:3]))
+    prompts.write_text(json.dumps({"prompt_token_ids": held_out_prompts()[:3]}))
     assert trees.main(["--target", str(BUNDLED_TARGET), "--draft", str(BUNDLED_DRAFT), "--prompts", str(prompts),
                        "--num-prompts", "3", "--new-tokens", "24", "--trees", "chain5,2x4x6,4x5x12", "--skip-costs",
                        "--run-dir", str(tmp_path)]) == 0
@@ -62,7 +62,8 @@ def test_the_chain_computed_from_the_draft_takes_the_engines_own_steps(tmp_path,
 def test_the_cost_columns_come_from_each_verification_lengths_engine(tmp_path, capsys):
     target, draft = make_speculation_target(tmp_path / "target"), make_speculation_draft(tmp_path / "draft")
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([torch.randint(3, 160, (9,), generator=torch.Generator().manual_seed(0)).tolist()]))
+    prompt = torch.randint(3, 160, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts.write_text(json.dumps({"prompt_token_ids": [prompt]}))
     assert trees.main(["--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--new-tokens", "12",
                        "--num-speculative-tokens", "2", "--trees", "2x2x4", "--run-dir", str(tmp_path)]) == 0
     assert "| tree 2x2, 4 nodes | 5 |" in capsys.readouterr().out
@@ -74,7 +75,11 @@ def test_the_cost_columns_come_from_each_verification_lengths_engine(tmp_path, c
     assert (tmp_path / "bench" / "trees.png").stat().st_size > 0
 
 
-def test_bad_arguments_name_the_flag(capsys):
+def test_bad_arguments_name_the_flag(capsys, tmp_path):
     with pytest.raises(SystemExit):
         trees.main(["--trees", "3x3", "--skip-costs"])
     assert "--trees: '3x3' is not TOPKxDEPTHxNODES" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompt_token_ids": [[1, 2, 99999]]}))
+    with pytest.raises(SystemExit, match="--prompts: prompt 0 holds token id 99999, outside the target's vocabulary"):
+        trees.main(["--prompts", str(prompts), "--skip-costs"])
