@@ -2,7 +2,7 @@
 all on this machine), each run in a process of its own by test_multi_node.py: a process holds one
 Ray connection, and the other serving tests share another.
 
-    python multi_node_scenarios.py placement|infeasible|node_loss|autoscaling|compile_cache
+    python multi_node_scenarios.py nodes|autoscaling|compile_cache
 
 Each prints one line "scenario result: {JSON}" of what it saw, and asserts what it must; it stops everything it started.
 The nodes: a head with 1 CPU (Serve's controller and its one proxy) and workers with 2 CPUs. A
@@ -143,14 +143,10 @@ def _stream(stub, max_tokens: int) -> Stream:
     return Stream(stub, max_tokens, prompt=PROMPT)
 
 
-def placement(checkpoint: str) -> dict:
-    """2 replicas on 2 worker nodes: one replica per node, each with its coordinator beside it."""
-    from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
-
-    port = serve_app(checkpoint, min_replicas=2, max_replicas=2)
-    nodes = actors_by_node()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        tokens = greedy(pb_grpc.GenerationStub(channel))
+def placement(stub, nodes: dict[str, dict[str, int]]) -> dict:
+    """2 replicas on 2 worker nodes (as node_loss deploys them): one replica per node, each with its
+    coordinator beside it."""
+    tokens = greedy(stub)
     per_node = [(n.get("ServeReplica", 0), n.get("CoordinatorActor", 0)) for n in nodes.values()]
     assert sorted(per_node) == [(0, 0), (1, 1), (1, 1)], nodes  # the head holds neither
     return {"actors_by_node": nodes, "num_tokens": len(tokens)}
@@ -171,12 +167,21 @@ def infeasible(checkpoint: str) -> dict:
     return {"message": message, "seconds": time.monotonic() - started, "placement_groups": live_placement_groups()}
 
 
-def node_loss(cluster, nodes, checkpoint: str) -> dict:
-    """Kill one worker node while 10 streams run, 5 per replica. The dead node's streams end
-    UNAVAILABLE within 10 s (grpc_servicers.py maps the proxy's INTERNAL for a dead replica); the
-    others finish with the tokens a greedy request got before. Serve restarts the lost replica on a
-    node added afterwards; then it serves the same tokens, and the actors and placement groups are
-    as many as before."""
+def nodes_scenario(cluster, nodes, checkpoint: str) -> dict:
+    """On one cluster of 2 worker nodes, in turn: a replica no node can hold (infeasible), 2 replicas
+    deployed (placement), then one node lost under load (node_loss). One cluster and one deployment
+    for the three: each start of a cluster and of 2 replicas cost ~10 s of the suite."""
+    report = {"infeasible": infeasible(checkpoint)}
+    report["placement"], report["node_loss"] = node_loss(cluster, nodes, checkpoint)
+    return report
+
+
+def node_loss(cluster, nodes, checkpoint: str) -> tuple[dict, dict]:
+    """(placement's report, then this one's.) Kill one worker node while 10 streams run, 5 per
+    replica. The dead node's streams end UNAVAILABLE within 10 s (grpc_servicers.py maps the proxy's
+    INTERNAL for a dead replica); the others finish with the tokens a greedy request got before.
+    Serve restarts the lost replica on a node added afterwards; then it serves the same tokens, and
+    the actors and placement groups are as many as before."""
     from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 
     # max_ongoing_requests 5: each replica takes exactly 5 of the 10 streams. Deterministic: 1,000
@@ -185,6 +190,7 @@ def node_loss(cluster, nodes, checkpoint: str) -> dict:
     port = serve_app(checkpoint, min_replicas=2, max_replicas=2, max_ongoing_requests=5, deterministic=True)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = pb_grpc.GenerationStub(channel)
+        placed = placement(stub, actors_by_node())
         new_tokens = 1000
         expected = greedy(stub, new_tokens)
         before = {"groups": live_placement_groups(), "replicas": 2}
@@ -227,9 +233,8 @@ def node_loss(cluster, nodes, checkpoint: str) -> dict:
     # The GCS lists the lost node's coordinator as alive for some seconds after the node is gone (seen:
     # [(0, 0), (0, 1), (1, 1), (1, 1)] right after recovery, with the actor transport and with gRPC).
     wait_for(lambda: layout() == [(0, 0), (1, 1), (1, 1)], 30, "one replica and its coordinator per worker node")
-    return {"lost_ended_after_s": max(s.ended_at for s in lost) - killed_at, "recovered_s": recovered_s,
-            "lost_codes": sorted({s.code.name for s in lost}),
-            "placement_groups": after["groups"]}
+    return placed, {"lost_ended_after_s": max(s.ended_at for s in lost) - killed_at, "recovered_s": recovered_s,
+                    "lost_codes": sorted({s.code.name for s in lost}), "placement_groups": after["groups"]}
 
 
 def autoscaling(checkpoint: str) -> dict:
@@ -354,14 +359,10 @@ def main(scenario: str) -> None:
     try:
         if scenario == "autoscaling":
             result = autoscaling(checkpoint)
-        elif scenario == "placement":
-            result = placement(checkpoint)
-        elif scenario == "infeasible":
-            result = infeasible(checkpoint)
+        elif scenario == "nodes":
+            result = nodes_scenario(cluster, nodes, checkpoint)
         elif scenario == "compile_cache":
             result = compile_cache(cluster, nodes, checkpoint)
-        elif scenario == "node_loss":
-            result = node_loss(cluster, nodes, checkpoint)
         else:
             raise SystemExit(f"unknown scenario {scenario!r}")
         print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -27,21 +27,27 @@ def run_scenario(name: str) -> dict:
     return json.loads(next(line for line in result.stdout.splitlines() if line.startswith(prefix))[len(prefix):])
 
 
-def test_each_replica_and_its_ranks_share_one_node_and_replicas_spread():
-    report = run_scenario("placement")
+@pytest.fixture(scope="module")
+def nodes_report() -> dict:
+    """The three scenarios of one cluster of 2 worker nodes (nodes_scenario), run once for their tests."""
+    return run_scenario("nodes")
+
+
+def test_each_replica_and_its_ranks_share_one_node_and_replicas_spread(nodes_report):
+    report = nodes_report["placement"]
     assert report["num_tokens"] == 16
 
 
-def test_a_replica_no_node_can_hold_fails_naming_each_node():
-    report = run_scenario("infeasible")
+def test_a_replica_no_node_can_hold_fails_naming_each_node(nodes_report):
+    report = nodes_report["infeasible"]
     message = report["message"]
     assert "needs CPU 3, GPU 0 on one node" in message and "no node is large enough" in message
     assert message.count("CPU 2, GPU 0") == 2 and "CPU 1, GPU 0" in message  # the 2 workers and the head
     assert report["seconds"] < 30 and report["placement_groups"] == 0  # the probe is gone
 
 
-def test_losing_a_node_fails_its_streams_only_and_serve_restarts_its_replica():
-    report = run_scenario("node_loss")
+def test_losing_a_node_fails_its_streams_only_and_serve_restarts_its_replica(nodes_report):
+    report = nodes_report["node_loss"]
     assert report["lost_ended_after_s"] < 10
     assert report["placement_groups"] == 2
 
