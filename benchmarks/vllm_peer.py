@@ -18,14 +18,24 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file, save_file
 
 PROCESS = Path(__file__).with_name("vllm_peer_process.py")
 START_TIMEOUT_S = 900  # two engines, each compiling its model at start (40-100 s each measured here)
+# After a generation, each vLLM engine's worker process polls its shared-memory queue at full speed for
+# a second before it sleeps (vllm.distributed.device_communicators.shm_broadcast.SpinCondition,
+# busy_loop_s=1): one of the 2 cores, in 0.1 s windows 90-110% for 1.0 s, then 0-10%. A generation
+# timed in that second, warpspec's batch 64, took 1.74-1.83 s against 1.41-1.47 s after it. So after
+# each of its runs the peer is left to go quiet, outside every timing.
+QUIET_WINDOW_S = 0.1
+QUIET_SHARE = 0.2  # of one core, over two windows in a row
+MAX_QUIET_WAIT_S = 10.0
 
 
 def fold_repeated_aux_layers(layer_ids: list[int], fc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -118,9 +128,34 @@ class VLLMPeer:
             reply = self.request(cmd="run", engine=engine, prompts=prompts, new_tokens=new_tokens)
             tokens = TimedTokens(reply["tokens"])
             tokens.wall_s = reply["wall_s"]
+            self.wait_until_quiet()
             return tokens
 
         return run
+
+    def cpu_seconds(self) -> float:
+        """CPU time so far of the peer's process and every process under it (its engines' own)."""
+        total = 0.0
+        root = psutil.Process(self.process.pid)
+        for process in (root, *root.children(recursive=True)):
+            try:
+                times = process.cpu_times()
+            except psutil.Error:  # ended meanwhile
+                continue
+            total += times.user + times.system
+        return total
+
+    def wait_until_quiet(self) -> float:
+        """Wait until the peer's processes use under QUIET_SHARE of a core for two windows in a row (at
+        most MAX_QUIET_WAIT_S); returns the seconds waited. See QUIET_WINDOW_S's comment."""
+        started = time.monotonic()
+        quiet_windows, before = 0, self.cpu_seconds()
+        while quiet_windows < 2 and time.monotonic() - started < MAX_QUIET_WAIT_S:
+            time.sleep(QUIET_WINDOW_S)
+            now = self.cpu_seconds()
+            quiet_windows = quiet_windows + 1 if now - before < QUIET_SHARE * QUIET_WINDOW_S else 0
+            before = now
+        return time.monotonic() - started
 
     def acceptance_length(self, before: dict, after: dict) -> float | None:
         """Accepted drafts per verification plus the bonus token, between two spec_counts replies."""

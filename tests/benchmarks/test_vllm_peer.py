@@ -2,15 +2,17 @@
 The peer itself runs only where its venv is (make vllm-peer); its figures are in benchmarks/results."""
 
 import json
+import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET
 from warpspec.benchmarks import compare
-from warpspec.benchmarks.vllm_peer import fold_repeated_aux_layers, hf_overrides, vllm_draft
+from warpspec.benchmarks.vllm_peer import VLLMPeer, fold_repeated_aux_layers, hf_overrides, vllm_draft
 
 
 def test_a_folded_fc_gives_the_same_features_from_the_distinct_layers():
@@ -56,3 +58,28 @@ def test_the_peer_table_sets_each_engine_of_one_rank_against_its_vllm_counterpar
     lines = compare.peer_table(rows, [1]).strip().splitlines()
     assert lines[2:] == ["| warpspec (1) | 1.50x |", "| warpspec + EAGLE-3 (k=3) (1) | 1.50x |"]
     assert compare.peer_table(rows[2:], [1]) == ""
+
+
+# A process tree that does what vLLM's engines do after a generation: a child spins (here until it has
+# used 0.6 s of CPU), then sleeps.
+SPIN = "import time\\nwhile time.process_time() < 0.6: pass\\ntime.sleep(600)"
+SPIN_THEN_SLEEP = f"""
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "{SPIN}"])
+sys.stdin.read()
+child.kill()
+"""
+
+
+def test_the_peer_is_left_to_go_quiet_after_a_run():
+    peer = object.__new__(VLLMPeer)  # its process only: no vLLM here
+    peer.process = subprocess.Popen([sys.executable, "-c", SPIN_THEN_SLEEP], stdin=subprocess.PIPE, text=True)
+    try:
+        waited = peer.wait_until_quiet()
+        (child,) = psutil.Process(peer.process.pid).children()
+        assert child.cpu_times().user + child.cpu_times().system >= 0.6 - 0.05 and waited < 10
+        before = peer.cpu_seconds()
+        assert peer.wait_until_quiet() < 0.5 and peer.cpu_seconds() - before < 0.1  # quiet already
+    finally:
+        peer.process.stdin.close()
+        peer.process.wait(timeout=30)
