@@ -22,11 +22,12 @@ So a replica needs at most two graphs per (query length, captured layers). The e
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
 `num_compiles`; a test runs 2 x 199 decode steps). Each is compiled whole and saved in the compile
 cache folder (step_artifacts.py), so that a later start loads it in a fraction of a second instead
-of tracing it again; a graph that cannot be saved so is compiled through torch.compile. Each graph
-runs with the thread count that ran its step fastest eagerly (workers/cpu_threads.py: under
-OMP_WAIT_POLICY=PASSIVE one thread wins, spinning threads favour all of them). It is chosen
-before the graph is built: a graph guards on the thread count, and timing the compiled step with
-each count would build it once per count.
+of tracing it again; a graph that cannot be saved so is compiled through torch.compile. The graph
+for one sequence runs with the thread count that ran its step fastest eagerly, the graph for more
+with torch's count (workers/cpu_threads.py: under OMP_WAIT_POLICY=PASSIVE one thread wins a lone
+sequence's step, and the eager proxy misjudges larger batches). It is chosen before the graph is
+built: a graph guards on the thread count, and timing the compiled step with each count would build
+it once per count.
 """
 
 from __future__ import annotations
@@ -60,11 +61,6 @@ from warpspec.workers.vec_isa import vec_isa_options
 logger = logging.getLogger(__name__)
 
 MIN_BLOCKS = 2  # see the module docstring: sizes of 1 are specialized
-# The batch whose eager step picks the thread count of the graph for two or more sequences. Timed on
-# 2 sequences, the bundled pair's start-up chose 1 thread for some of those graphs; at batch 8, two
-# engines in one process with every graph at 2 threads against 1: 1.28x plain, 1.18x EAGLE-3.
-THREAD_SAMPLE_SEQS = 8
-
 # The step's host code in C++ as well (inductor's cpp_wrapper): the default wrapper is Python that
 # allocates each buffer and calls each kernel and GEMM, ~100 calls a step. Two engines in one
 # process, generations alternating, 16 pairs each: 1.15x the tokens/s of plain decoding at batch 1
@@ -278,9 +274,9 @@ def step_marker(block_tables_at: int) -> Callable[[tuple], None]:
 class CompiledStepRunner:
     """Runs uniform steps through torch.compile'd forwards; `run` returns None for any other step.
 
-    config: the query lengths and the longest context of the CUDA graphs; its batch sizes choose the
-    batch whose eager time picks a graph's thread count (thread_sample), and whether a graph for
-    several sequences is built at all (not when the largest is 1: such steps run eagerly)."""
+    config: the query lengths and the longest context of the CUDA graphs; its batch sizes choose
+    whether a graph for several sequences is built at all (not when the largest is 1: such steps run
+    eagerly)."""
 
     def __init__(self, model, config: CudaGraphConfig, block_size: int, kv_layout: KVGroupLayout | None = None,
                  kv_caches: list[torch.Tensor] = ()):
@@ -354,16 +350,6 @@ class CompiledStepRunner:
         batches = (1, 2) if self.config.several_sequences else (1,)
         return [self._warm_up_step(query_len, num_seqs, aux_layer_ids)
                 for query_len in self.config.query_lens for num_seqs in batches]
-
-    def thread_sample(self, step: StepInput) -> StepInput:
-        """The step whose eager time picks the thread count of step's graph: step itself for one
-        sequence; for the graph of two or more, which serves every larger batch,
-        THREAD_SAMPLE_SEQS of them (or the largest batch, if smaller)."""
-        num_seqs = step.seq_lens.shape[0]
-        if num_seqs == 1:
-            return step
-        return self._warm_up_step(step.max_query_len, min(THREAD_SAMPLE_SEQS, max(self.config.batch_sizes)),
-                                  step.aux_layer_ids)
 
     def _warm_up_step(self, query_len: int, num_seqs: int, aux_layer_ids: list[int]) -> StepInput:
         table = list(range(-(-query_len // self.block_size)))

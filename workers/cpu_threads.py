@@ -9,9 +9,14 @@ see. Measured decoding the bundled target at batch 1 on 2 cores:
 - sleeping (OMP_WAIT_POLICY=PASSIVE, what a machine shared with other processes needs): each region
   wakes its threads, ~65 us for a 256 x 384 GEMM that computes in 7 us, and 1 thread runs the step
   2.5x faster than 2.
-So each compiled graph runs with the count that ran its step fastest eagerly, timed at start-up (the
-eager step has the same many short regions; a graph guards on the thread count it was built with).
-Eager steps (prefill chunks, large batches) keep torch's count: their regions are long.
+So a compiled graph for one sequence runs with the count that ran its step fastest eagerly, timed at
+start-up (the eager step has the same many short regions; a graph guards on the thread count it was
+built with). A graph for two or more sequences serves every batch up to max_num_seqs, and runs with
+torch's count: the eager proxy misjudges it. On the bundled target under PASSIVE, eager steps of 8
+sequences timed 1 thread faster in every start (3.3-4.5 ms against 3.9-5.5), and at 32 in bfloat16
+too, while the compiled graph at 2 threads against 1 generated 128 tokens 1.00-1.08x as fast at batch
+8 in float32 (1.16-1.21x bfloat16), 1.29x (1.25x) at 32 and 1.37x (1.49x) at 64, and 0.90x (1.10x) at
+batch 2. Eager steps (prefill chunks, mixed batches) keep torch's count: their regions are long.
 
 Which thread computes matters too. OpenMP (libgomp) keeps a pool of worker threads for every thread
 that has run a parallel region, for as long as that thread lives; once a process holds more of them
@@ -79,6 +84,15 @@ def fastest_thread_count(run: Callable[[], object], most: int | None = None) -> 
                     run()
                     best[count] = min(best[count], time.perf_counter() - start)
     return min(counts, key=best.__getitem__), best
+
+
+def graph_thread_count(num_seqs: int, saved: int | None, time_eagerly: Callable[[], int]) -> int:
+    """The thread count a compiled graph of num_seqs sequences is built and run with (the module
+    docstring): for one sequence, its saved build's (step_artifacts.py) or else the fastest eagerly
+    (time_eagerly, called only then); for more, torch's count, whatever a saved build has."""
+    if num_seqs > 1:
+        return torch.get_num_threads()
+    return saved if saved is not None else time_eagerly()
 
 
 async def in_a_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

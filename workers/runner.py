@@ -15,7 +15,7 @@ from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator, collective_failures
 from warpspec.workers.compiled_step import CompiledStepRunner
-from warpspec.workers.cpu_threads import fastest_thread_count
+from warpspec.workers.cpu_threads import fastest_thread_count, graph_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.kv_groups import kv_group_layout
@@ -88,22 +88,23 @@ class ModelRunner:
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
-        request waits for them (CompiledStepRunner.warm_up_steps), each with the thread count that
-        runs its step fastest eagerly or that its saved build has (step_artifacts.py); then steps
+        request waits for them (CompiledStepRunner.warm_up_steps), each with its thread count
+        (cpu_threads.graph_thread_count); then steps
         check only the guards that tell the graphs apart (CountingCompiler.seal). Nothing to do
         otherwise. Over several ranks every rank warms up at once, on the same steps: they meet in
         each step's collectives."""
         if isinstance(self.graph_runner, CompiledStepRunner):
             steps = self.graph_runner.warm_up_steps(aux_layer_ids)
             for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):
-                count = self.graph_runner.saved_thread_count(step)
-                if count is None:
-                    with torch.inference_mode():
-                        sample = self.graph_runner.thread_sample(step)
-                        count, _ = fastest_thread_count(lambda sample=sample: self._eager_forward(sample))
+                count = graph_thread_count(step.seq_lens.shape[0], self.graph_runner.saved_thread_count(step),
+                                           lambda step=step: self._fastest_thread_count(step))
                 self.graph_runner.set_threads(step, count)
                 self.execute(step)
             self.graph_runner.compiled.seal()
+
+    @torch.inference_mode()
+    def _fastest_thread_count(self, step: StepInput) -> int:
+        return fastest_thread_count(lambda: self._eager_forward(step))[0]
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

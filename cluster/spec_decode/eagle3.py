@@ -52,12 +52,11 @@ from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.structured_output.grammar import allowed_next, masked
 from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
-    THREAD_SAMPLE_SEQS,
     CountingCompiler,
     step_marker,
     widen_block_tables,
 )
-from warpspec.workers.cpu_threads import fastest_thread_count, torch_threads
+from warpspec.workers.cpu_threads import fastest_thread_count, graph_thread_count, torch_threads
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
 from warpspec.workers.eagle3 import Eagle3Draft
@@ -337,23 +336,19 @@ class Eagle3Proposer:
     def warm_up(self) -> None:
         """Build the compiled graphs before the first request needs them: the padded catch-up, the
         decode step and the greedy proposal, each for one request and (unless requests run one at a
-        time: several_requests) for two, with the thread count that runs it fastest eagerly (chosen
-        first: a graph guards on the count it was built with) or that its saved build has
-        (workers/step_artifacts.py); then the dense halves a prompt's catch-up runs. A graph for two
-        or more requests serves every batch, so its count is timed on THREAD_SAMPLE_SEQS requests,
-        as the target's is (workers/compiled_step.py). The steps write into the first blocks, which
+        time: several_requests) for two, each with its thread count, chosen first since a graph
+        guards on the count it was built with (workers/cpu_threads.graph_thread_count, as the
+        target's); then the dense halves a prompt's catch-up runs. The steps write into the first blocks, which
         no request holds yet. Then the step graphs check only the guards that tell them apart
         (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
         progress = tqdm(desc="compiling the draft's steps", unit="graph", disable=None, leave=False)
         for one in (True, False) if self.several_requests else (True,):
-            graphs = self._warm_up_graphs(1 if one else 2)
-            samples = graphs if one else self._warm_up_graphs(THREAD_SAMPLE_SEQS)
-            for (graph, compiled, eager, inputs), (*_, sample) in zip(graphs, samples, strict=True):
-                saved = compiled.compiled.saved_thread_count(graph)
-                self.thread_counts[graph] = saved if saved is not None else \
-                    fastest_thread_count(lambda sample=sample, eager=eager: eager(*sample))[0]
+            for graph, compiled, eager, inputs in self._warm_up_graphs(1 if one else 2):
+                self.thread_counts[graph] = graph_thread_count(
+                    1 if one else 2, compiled.compiled.saved_thread_count(graph),
+                    lambda eager=eager, inputs=inputs: fastest_thread_count(lambda: eager(*inputs))[0])
                 self._run_compiled(compiled, inputs, graph)
                 progress.update()
         progress.close()
