@@ -13,7 +13,7 @@ So a compiled graph for one sequence runs with the count that ran its step faste
 start-up (the eager step has the same many short regions; a graph guards on the thread count it was
 built with). A graph for two or more sequences serves every batch up to max_num_seqs, and runs with
 torch's count: the eager proxy misjudges it. On the bundled target under PASSIVE, eager steps of 8
-sequences timed 1 thread faster in every start (3.3-4.5 ms against 3.9-5.5), and at 32 in bfloat16
+sequences timed 1 thread faster in every start (4.0-4.5 ms against 4.3-5.5), and at 32 in bfloat16
 too, while the compiled graph at 2 threads against 1 generated 128 tokens 1.00-1.08x as fast at batch
 8 in float32 (1.16-1.21x bfloat16), 1.29x (1.25x) at 32 and 1.37x (1.49x) at 64, and 0.90x (1.10x) at
 batch 2. Eager steps (prefill chunks, mixed batches) keep torch's count: their regions are long.

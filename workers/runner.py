@@ -89,10 +89,9 @@ class ModelRunner:
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no
         request waits for them (CompiledStepRunner.warm_up_steps), each with its thread count
-        (cpu_threads.graph_thread_count); then steps
-        check only the guards that tell the graphs apart (CountingCompiler.seal). Nothing to do
-        otherwise. Over several ranks every rank warms up at once, on the same steps: they meet in
-        each step's collectives."""
+        (cpu_threads.graph_thread_count); then steps check only the guards that tell the graphs
+        apart (CountingCompiler.seal). Nothing to do otherwise. Over several ranks every rank warms
+        up at once, on the same steps: they meet in each step's collectives."""
         if isinstance(self.graph_runner, CompiledStepRunner):
             steps = self.graph_runner.warm_up_steps(aux_layer_ids)
             for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):

@@ -338,9 +338,9 @@ class Eagle3Proposer:
         decode step and the greedy proposal, each for one request and (unless requests run one at a
         time: several_requests) for two, each with its thread count, chosen first since a graph
         guards on the count it was built with (workers/cpu_threads.graph_thread_count, as the
-        target's); then the dense halves a prompt's catch-up runs. The steps write into the first blocks, which
-        no request holds yet. Then the step graphs check only the guards that tell them apart
-        (CountingCompiler.seal)."""
+        target's); then the dense halves a prompt's catch-up runs. The steps write into the first
+        blocks, which no request holds yet. Then the step graphs check only the guards that tell
+        them apart (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
         progress = tqdm(desc="compiling the draft's steps", unit="graph", disable=None, leave=False)
