@@ -208,13 +208,15 @@ def acceptance(target: str, draft_path: str, sequences: list[tuple[int, list[int
 
 def step_costs(target: str, draft: str, k: int, compile_draft: bool) -> dict[str, float]:
     """The step cost model of an engine drafting up to k (adaptive, one sequence at a time), in ms:
-    target steps of query length 1 and k + 1, the draft's k drafts, the host's share of a step."""
+    target steps of query length 1 and k + 1, the draft's k drafts, the host's share of a verifying
+    step (host) and of a plain one (plain_host; the verifying one's when no plain step ran)."""
     with LLM(target, dtype="float32", draft=draft, num_speculative_tokens=k, speculative_policy="adaptive",
              max_num_seqs=1, compile_draft=compile_draft) as llm:
         llm.generate([[1, 5, 9, 13]], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
         rows = {(step, n, length): ms for step, n, length, ms in llm.engine.stats().step_costs}
     return {"decode": rows[("target", 1, 1)], "verify": rows[("target", 1, k + 1)],
-            "draft": rows[("draft", 1, k)], "host": rows.get(("host", 1, 0), 0.0)}
+            "draft": rows[("draft", 1, k)], "host": rows.get(("host", 1, k + 1), 0.0),
+            "plain_host": rows.get(("host", 1, 1), rows.get(("host", 1, k + 1), 0.0))}
 
 
 def engine_chain(target: str, draft: str, prompts: list[list[int]], new_tokens: int,
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             row |= {"verify_ms": cost["verify"], "draft_ms": chain["draft"] * shape.depth / k,
                     "host_ms": chain["host"], "step_ms": step_ms,
                     "tokens_per_s": 1e3 * row["acceptance_length"] / step_ms,
-                    "plain_tokens_per_s": 1e3 / (chain["decode"] + chain["host"])}
+                    "plain_tokens_per_s": 1e3 / (chain["decode"] + chain["plain_host"])}
         rows.append(row)
     engine_length = acceptance_length(engine_accepted, engine_steps)
     table = render(rows, args, len(prompts), engine_length, (engine_accepted, engine_steps) == totals[shapes[0]])

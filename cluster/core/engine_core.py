@@ -472,7 +472,7 @@ class EngineCore:
             self.step_costs.observe_target(len(lengths), lengths[0], execute_s)
         else:
             self.step_costs.observe_mixed(len(lengths), max(lengths), execute_s)
-        self.step_costs.observe_host(len(lengths), host_s)
+        self.step_costs.observe_host(len(lengths), max(lengths), host_s)
 
     def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor,
                        ) -> list[tuple[list[int] | None, list[PositionLogprobs] | None]]:

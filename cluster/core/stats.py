@@ -23,7 +23,7 @@ class EngineStats:
     draft_share: float = 0.0  # of the engine's step time, the proposer's
     # Under speculative_policy adaptive, the step cost model (spec_decode/cost_model.py): (step,
     # sequences, length, milliseconds) per entry, step "target" (length: tokens per sequence), "mixed"
-    # (the longest), "draft" (drafts per request) or "host" (the rest of a step).
+    # (the longest), "draft" (drafts per request) or "host" (the rest of a step, length as for target).
     step_costs: tuple[tuple[str, int, int, float], ...] = ()
     # The engine-wide chance that draft j + 1 is accepted (spec_decode/draft_length.py), and the
     # draft length the last step chose for its batch (None: fixed, or not chosen by rate yet).

@@ -8,9 +8,12 @@ Four tables of seconds, each keyed by (number of sequences, length):
   eagerly and cost more;
 - draft: the proposer's work after a step, `length` drafts per request (0: the draft only reads the
   positions the target kept);
-- host: the rest of a step (scheduling, sampling or verification, bookkeeping), length 0: what plain
-  decoding pays per step too, and so per token more often. Learnt from real steps only. Without it
-  the bundled pair at batch 32 read as 1.06x faster with drafts; it was 1.25x.
+- host: the rest of a step (scheduling, sampling or verification, bookkeeping), `length` its longest
+  share as for target: plain decoding pays it per step too, and so per token more often. Learnt
+  from real steps only. Without it the bundled pair at batch 32 read as 1.06x faster with drafts; it
+  was 1.25x. Its length matters: there a verification's took 1.17 ms against 0.63 for a plain
+  decode's (median of 380 steps each), and one figure for both, learnt mostly from verifications,
+  read plain decoding 9% slower than it was. A length not seen yet reads the nearest one's figure.
 
 At warm-up the engine times the shapes it will serve (EngineCore._time_steps); then every real step
 of a known shape moves its entry ALPHA of the way towards what it took, so the table follows the
@@ -72,8 +75,11 @@ class StepCostModel:
     def draft_time(self, num_seqs: int, num_drafts: int) -> float | None:
         return self._estimate(self.draft, num_seqs, num_drafts)
 
-    def host_time(self, num_seqs: int) -> float | None:
-        return self._estimate(self.host, num_seqs, 0)
+    def host_time(self, num_seqs: int, query_len: int) -> float | None:
+        """The rest of a step whose longest share is query_len tokens; before any such step, that of
+        the nearest length seen (a plain decode's reads a verification's until one has run)."""
+        seen = sorted({q for _, q in self.host}, key=lambda q: (abs(q - query_len), q))
+        return self._estimate(self.host, num_seqs, seen[0]) if seen else None
 
     def set(self, step: str, num_seqs: int, length: int, seconds: float) -> None:
         """A figure timed at warm-up, taken as it is: step is "target", "mixed" or "draft"."""
@@ -90,8 +96,9 @@ class StepCostModel:
         before = self._estimate(self.draft, num_seqs, num_drafts, extrapolate=False)
         self._observe(self.draft, num_seqs, num_drafts, seconds, before)
 
-    def observe_host(self, num_seqs: int, seconds: float) -> None:
-        self._observe(self.host, num_seqs, 0, seconds, self._estimate(self.host, num_seqs, 0, extrapolate=False))
+    def observe_host(self, num_seqs: int, query_len: int, seconds: float) -> None:
+        before = self._estimate(self.host, num_seqs, query_len, extrapolate=False)
+        self._observe(self.host, num_seqs, query_len, seconds, before)
 
     def rows(self) -> list[dict[str, float | int | str]]:
         """The table, one row per entry in milliseconds: stats(), /admin/stats, `warpspec bench dispatch`."""

@@ -5,7 +5,7 @@ A request gains E_i(n) tokens from a step that verifies n of its drafts, and the
 target's verification plus the draft's proposals (cost_model.py, measured):
 
     E_i(n) = 1 + r_i[0] + ... + r_i[n - 1]
-    rate(k) = sum_i E_i(n_i) / (T_target(b, k + 1) + T_draft(b, k) + T_host(b)),  n_i = min(k, most_i)
+    rate(k) = sum_i E_i(n_i) / (T_target(b, k + 1) + T_draft(b, k) + T_host(b, k + 1)),  n_i = min(k, most_i)
 
 r_i[j] is the chance that draft j + 1 is accepted, every draft before it accepted too: a moving
 estimate per request, started from the engine-wide estimate and updated by its own verifications.
@@ -139,6 +139,6 @@ class DraftLengthPolicy:
         draft = self.costs.draft_time(num_seqs, longest)
         if target is None or draft is None:
             return None
-        host = self.costs.host_time(num_seqs) or 0.0  # learnt from real steps: none before the first
+        host = self.costs.host_time(num_seqs, longest + 1) or 0.0  # learnt from real steps: none before the first
         tokens = sum(w.acceptance.expected_tokens(n) for w, n in zip(wants, counts, strict=True))
         return tokens / max(target + draft + host, 1e-9)

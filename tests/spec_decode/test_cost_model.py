@@ -44,8 +44,22 @@ def test_past_the_largest_size_a_figure_never_falls_whatever_its_neighbours_say(
     the next sizes read negative, and steps starting from those figures drove them to -1e9."""
     costs = StepCostModel()
     for num_seqs, ms in ((1, 0.36), (8, 0.49), (15, 0.63), (16, 0.54)):
-        costs.observe_host(num_seqs, ms / 1e3)
+        costs.observe_host(num_seqs, 1, ms / 1e3)
     # From batch 8 (at most half of 16): +0.05 / 8 ms a sequence, never the -0.09 of 15 -> 16.
-    assert costs.host_time(32) == pytest.approx((0.54 + 0.05 / 8 * 16) / 1e3)
-    costs.observe_host(64, -0.001)  # a step never takes negative time: read as 0
-    assert costs.host_time(64) == 0.0 and costs.host_time(100) >= 0.0
+    assert costs.host_time(32, 1) == pytest.approx((0.54 + 0.05 / 8 * 16) / 1e3)
+    costs.observe_host(64, 1, -0.001)  # a step never takes negative time: read as 0
+    assert costs.host_time(64, 1) == 0.0 and costs.host_time(100, 1) >= 0.0
+
+
+def test_the_host_time_of_a_step_follows_its_length_and_reads_the_nearest_before_one_ran():
+    """The bundled pair at batch 32: 1.17 ms around a verification of 4 tokens, 0.63 around a decode."""
+    costs = StepCostModel()
+    assert costs.host_time(32, 1) is None
+    costs.observe_host(32, 4, 1.17e-3)
+    assert costs.host_time(32, 1) == pytest.approx(1.17e-3)  # no plain decode yet: the verification's
+    costs.observe_host(32, 1, 0.63e-3)
+    assert costs.host_time(32, 1) == pytest.approx(0.63e-3) and costs.host_time(32, 4) == pytest.approx(1.17e-3)
+    assert costs.host_time(32, 2) == pytest.approx(0.63e-3) and costs.host_time(32, 3) == pytest.approx(1.17e-3)
+    costs.observe_host(32, 1, 0.73e-3)  # moves only its own length's figure
+    assert costs.host_time(32, 1) == pytest.approx((0.63 + ALPHA * 0.1) * 1e-3)
+    assert costs.host_time(32, 4) == pytest.approx(1.17e-3)

@@ -51,6 +51,20 @@ def test_drafts_where_they_pay_and_decodes_plainly_where_they_do_not():
     assert policy.num_chosen == {3: 3, 0: 1}
 
 
+def test_plain_decoding_pays_its_own_host_time_not_a_verifications():
+    """Near the crossover the host's share decides. Batch 32, r = [0.8, 0.7, 0.6], 4 ms of host time
+    around a verification: drafting yields 32 x 3.1 / (19 + 4 + 4) ms = 3.67 tokens/ms. A plain
+    decode of 6 ms read with that host time, 32 / (6 + 1 + 4) = 2.91; with its own 0.5 ms, 32 / 7.5
+    = 4.27."""
+    policy = _policy()
+    policy.costs.set("target", 32, 1, 0.006)
+    policy.costs.observe_host(32, 4, 0.004)
+    assert policy.choose(_wants([0.8, 0.7, 0.6], 32)) == [3] * 32
+    policy.costs.observe_host(32, 1, 0.0005)  # a plain step ran
+    policy.incumbent = None  # no margin for the length chosen last
+    assert policy.choose(_wants([0.8, 0.7, 0.6], 32)) == [0] * 32
+
+
 def test_seeded_samples_and_short_requests_keep_their_own_length():
     policy = _policy()
     wants = _wants([0.3, 0.1, 0.0], 30) + _wants([0.3, 0.1, 0.0], 1, fixed=True) + _wants([0.9] * 3, 1, most=1)
