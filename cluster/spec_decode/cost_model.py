@@ -12,7 +12,7 @@ Four tables of seconds, each keyed by (number of sequences, length):
   share as for target: plain decoding pays it per step too, and so per token more often. Learnt
   from real steps only. Without it the bundled pair at batch 32 read as 1.06x faster with drafts; it
   was 1.25x. Its length matters: there a verification's took 1.17 ms against 0.63 for a plain
-  decode's (median of 380 steps each), and one figure for both, learnt mostly from verifications,
+  decode's (medians of 96 and 381 steps), and one figure for both, learnt mostly from verifications,
   read plain decoding 9% slower than it was. A length not seen yet reads the nearest one's figure.
 
 At warm-up the engine times the shapes it will serve (EngineCore._time_steps); then every real step
