@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 # requests' prior, and what a request that stopped drafting relaxes to. At 0.02 (~50, less than one
 # step at batch 64) it froze at whatever step came before a stretch of plain decoding, and plain is
 # chosen after low ones: at the end of runs at batch 64 it read 3.03 and 2.76 tokens a verification
-# where the runs realised 3.40-3.42; at 0.002, 3.47-3.48.
+# where the runs realised 3.40-3.44; at 0.002, 3.47-3.48.
 ENGINE_ALPHA = 0.002
 REQUEST_ALPHA = 0.2  # a request's own follows its last few verifications
 # A request that drafts nothing learns nothing: each such step moves its estimate this far back towards
