@@ -69,7 +69,11 @@ class BlockManager:
         self.block_hash: list[tuple[int, bytes] | None] = [None] * num_blocks  # (group, cache key)
         self.cached: dict[tuple[int, bytes], int] = {}  # (group, cache key (see _cache_key)) -> block id
         # Blocks held by nobody, least recently freed first; cached ones among them can still be hit.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # Blocks never handed out (next_fresh onwards) precede them all, as if freed in order at
+        # start-up; kept as a count, not queued: a small model's default cache has millions of blocks,
+        # and queueing them took most of an engine's start.
+        self.free_queue: OrderedDict[int, None] = OrderedDict()
+        self.next_fresh = 0
         self.block_tables: dict[str, list[int]] = {}  # the full-attention group's
         self.window_tables: dict[str, list[list[int]]] = {}  # each chunked group's, by position
         self.num_released: dict[str, int] = {}  # leading window-table entries given back
@@ -80,7 +84,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        return len(self.free_queue) + self.num_blocks - self.next_fresh
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -143,11 +147,19 @@ class BlockManager:
             raise OutOfBlocksError(f"need {extra} more KV blocks, {self.num_free_blocks} free")
         for _ in range(extra // self.num_groups):
             for group_table in (table, *windows):
-                block, _ = self.free_queue.popitem(last=False)
-                self._evict(block)
+                block = self._pop_free()
                 self.ref_counts[block] = 1
                 group_table.append(block)
         return table
+
+    def _pop_free(self) -> int:
+        """The least recently freed block, evicted from the prefix cache: a never-used one while any is left."""
+        if self.next_fresh < self.num_blocks:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        block, _ = self.free_queue.popitem(last=False)
+        self._evict(block)
+        return block
 
     def release_passed_chunks(self, seq_id: str, num_computed: int) -> None:
         """Give back the chunked groups' blocks that end before the chunk of position num_computed,

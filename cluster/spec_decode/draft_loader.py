@@ -9,7 +9,7 @@ import logging
 import torch
 
 from warpspec.config.engine import EngineConfig
-from warpspec.spec_decode.eagle3 import Eagle3Proposer
+from warpspec.spec_decode.eagle3 import Eagle3Proposer, scratch_reserve
 from warpspec.workers.compile_cache import open_compile_cache
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
@@ -33,7 +33,9 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
         open_compile_cache(config.compile_cache, config.run_dir)
     return Eagle3Proposer(draft, num_blocks, config.cache.block_size, draft_device(config.device),
                           compile=compile_draft, deterministic=config.deterministic,
-                          num_speculative_tokens=spec.num_speculative_tokens, cuda_graphs=config.cuda_graph_config())
+                          num_speculative_tokens=spec.num_speculative_tokens, cuda_graphs=config.cuda_graph_config(),
+                          scratch_blocks=scratch_reserve(config.scheduler.max_num_seqs, spec.num_speculative_tokens,
+                                                         config.cache.block_size))
 
 
 def draft_device(target_device: str) -> torch.device:

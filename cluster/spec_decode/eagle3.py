@@ -11,7 +11,8 @@ position's draft KV lives in the request's own block and is recomputed with it a
 The draft's own k - 1 steps write KV past the request's last known token, where the request may
 hold no block yet. Those entries are scratch (the next catch-up overwrites them), so they go to
 scratch blocks at the end of the draft's cache instead of taking blocks from the engine: the number
-of drafts never depends on how full the KV cache is.
+of drafts never depends on how full the KV cache is. An engine makes room for the scratch blocks of
+max_num_seqs requests at start-up (scratch_reserve); the cache grows, copied whole, only past them.
 
 On a CPU every steady-state draft step runs as one compiled graph. After a verification a request
 catches up on 1 to k + 1 positions (the accepted drafts and the bonus token); that catch-up is padded
@@ -119,16 +120,25 @@ class CompiledWithFallback:
         return self.eager(*args)
 
 
+def scratch_reserve(max_num_seqs: int, num_speculative_tokens: int, block_size: int) -> int:
+    """Scratch blocks that a step of max_num_seqs requests can need (_with_scratch), with a spare one:
+    a request's draft steps and padded catch-up write at most 2k + 1 positions past its table."""
+    return max_num_seqs * (-(-(2 * num_speculative_tokens + 1) // block_size) + 1) + 1
+
+
 class Eagle3Proposer:
     def __init__(self, draft: Eagle3Draft, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
                  compile: bool = True, deterministic: bool = False, num_speculative_tokens: int = 3,
-                 cuda_graphs: CudaGraphConfig | None = None):
+                 cuda_graphs: CudaGraphConfig | None = None, scratch_blocks: int = 0):
         """deterministic: draft in kernels/batch_invariant.py's mode, eagerly (the mode's float64
         weight copies are made on first use, a side effect torch.compile would not keep).
         num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1.
         cuda_graphs: on a CUDA device (compiled, not deterministic), replay greedy proposals of these
         batch sizes and lengths as CUDA graphs (workers/draft_cuda_graphs.py); on a CPU, a largest
-        batch size of 1 (max_num_seqs 1) leaves out the compiled steps' graphs for several requests."""
+        batch size of 1 (max_num_seqs 1) leaves out the compiled steps' graphs for several requests.
+        scratch_blocks: room for scratch blocks after the engine's, made up front (scratch_reserve):
+        the cache grows past them only when a step needs more, and growing copies the whole cache
+        (2 GiB of a small model's default one took most of an engine's warm-up)."""
         c = draft.config
         self.deterministic = deterministic
         self.device = torch.device(device)
@@ -138,7 +148,7 @@ class Eagle3Proposer:
         self.num_blocks = num_blocks  # the engine's; scratch blocks follow them (see _with_scratch)
         # [draft_vocab] target id of every draft id, on the CPU where drafts are sampled.
         self.target_ids = self.draft.to_target_ids(torch.arange(c.draft_vocab_size)).cpu()
-        draft.kv_cache = torch.zeros(2, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+        draft.kv_cache = torch.zeros(2, num_blocks + scratch_blocks, block_size, c.num_key_value_heads, c.head_dim,
                                      dtype=draft.fc.dtype, device=device)
         # Its block count grows with scratch blocks (_with_scratch): symbolic in the compiled steps,
         # which would otherwise be built again at every growth.

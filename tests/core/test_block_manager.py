@@ -55,6 +55,23 @@ def test_freed_blocks_stay_cached_until_needed_and_the_tail_is_evicted_first():
     assert blocks.match_prefix("d", prompt) == 8
 
 
+def test_never_used_blocks_go_before_freed_ones_so_a_freed_prefix_stays_cached_longest():
+    """Blocks never handed out count as freed at start-up, in order, before any freed later: a
+    cached prefix is evicted only once they are all taken, and then least recently freed first."""
+    blocks = BlockManager(num_blocks=6, block_size=BLOCK)
+    prompt = list(range(30, 38))  # 2 full blocks, both cached
+    blocks.match_prefix("a", prompt)
+    assert blocks.allocate("a", len(prompt)) == [0, 1]
+    blocks.cache_full_blocks("a", prompt, len(prompt))
+    blocks.free("a")
+    assert blocks.num_free_blocks == 6
+    assert blocks.allocate("b", 16) == [2, 3, 4, 5]  # the never-used ones, in order
+    assert blocks.match_prefix("c", prompt) == 4  # b took no cached block (the last token is always computed)
+    blocks.free("c")
+    assert blocks.allocate("d", 4) == [1]  # a's tail was freed before its head
+    assert blocks.match_prefix("e", prompt) == 4  # its head is still cached
+
+
 def test_with_a_draft_a_cached_block_serves_only_requests_that_continue_it_the_same_way():
     blocks = BlockManager(num_blocks=8, block_size=BLOCK, key_by_next_token=True)
     prompt = [1, 2, 3, 4, 5, 6]

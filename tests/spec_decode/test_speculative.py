@@ -18,6 +18,7 @@ from warpspec.errors import InvalidRequestError
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify
 from warpspec.serving.metrics import AcceptanceWatch
+from warpspec.spec_decode.eagle3 import scratch_reserve
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
@@ -66,6 +67,17 @@ def test_eagle3_greedy_is_identical_without_and_with_speculation(target, draft, 
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert stats.num_verify_steps > 0 and stats.num_draft_tokens > 0
     assert all("acceptance_length" in o.metrics for o in outs)
+
+
+def test_the_drafts_scratch_blocks_are_made_at_start_and_its_cache_never_grows(target, draft):
+    """A crowd at max_num_seqs drafts into the scratch blocks made at start-up (scratch_reserve):
+    growing the draft's cache would copy all of it, GiBs for a small model's default cache."""
+    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=3,
+             block_size=4, max_num_seqs=5, enforce_eager=True) as llm:
+        cache = llm.engine.proposer.draft.kv_cache
+        assert cache.shape[1] == llm.engine.block_manager.num_blocks + scratch_reserve(5, 3, 4)
+        llm.generate(_prompts(), GREEDY)
+        assert llm.engine.spec_stats.num_verify_steps > 0 and llm.engine.proposer.draft.kv_cache is cache
 
 
 def test_engine_stats_count_drafts_and_accepts_per_draft_position(target, draft):
