@@ -227,12 +227,21 @@ def node_loss(cluster, nodes, checkpoint: str) -> tuple[dict, dict]:
         wait_for(lambda: live_placement_groups() == before["groups"], 30, "the lost replica's placement group removed")
         after = {"groups": live_placement_groups(), "replicas": 2}
     assert after == before, (before, after)
+    seen: list[list[tuple[int, int]]] = []
+
     def layout() -> list[tuple[int, int]]:
-        return sorted((n.get("ServeReplica", 0), n.get("CoordinatorActor", 0)) for n in actors_by_node().values())
+        seen.append(sorted((n.get("ServeReplica", 0), n.get("CoordinatorActor", 0))
+                           for n in actors_by_node().values()))
+        return seen[-1]
 
     # The GCS lists the lost node's coordinator as alive for some seconds after the node is gone (seen:
     # [(0, 0), (0, 1), (1, 1), (1, 1)] right after recovery, with the actor transport and with gRPC).
-    wait_for(lambda: layout() == [(0, 0), (1, 1), (1, 1)], 30, "one replica and its coordinator per worker node")
+    # Once in a fresh clone's suite that outlasted a 30 s wait after recovery (2026-12-06; the run
+    # kept no layout): the wait is 60 s, and a timeout says what the GCS listed last.
+    try:
+        wait_for(lambda: layout() == [(0, 0), (1, 1), (1, 1)], 60, "one replica and its coordinator per worker node")
+    except AssertionError as error:
+        raise AssertionError(f"{error}; last listed (replicas, coordinators) per node: {seen[-1]}") from None
     return placed, {"lost_ended_after_s": max(s.ended_at for s in lost) - killed_at, "recovered_s": recovered_s,
                     "lost_codes": sorted({s.code.name for s in lost}), "placement_groups": after["groups"]}
 
