@@ -462,10 +462,13 @@ class EngineCore:
 
     def _observe_step_cost(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], execute_s: float,
                            host_s: float) -> None:
-        """A step of decodes and verifications only (no prompt chunk) updates the cost model: the
-        target's step, and the rest of the step outside the target and the draft (host_s)."""
-        if self.draft_lengths is None or not self.draft_lengths.adaptive or not all(
-                item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1 for item in scheduled):
+        """Every step counts in the cost model (how stale each figure is); a step of decodes and
+        verifications only (no prompt chunk) updates it: the target's step, and the rest of the step
+        outside the target and the draft (host_s)."""
+        if self.draft_lengths is None or not self.draft_lengths.adaptive:
+            return
+        self.step_costs.advance()
+        if not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1 for item in scheduled):
             return
         lengths = [len(p.token_ids) for p in plan]
         if min(lengths) == max(lengths):

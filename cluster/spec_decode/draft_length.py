@@ -12,7 +12,10 @@ estimate per request, started from the engine-wide estimate and updated by its o
 The step takes the k of the largest rate, among the lengths whose steps run compiled or as CUDA
 graphs (the engine's query lengths less one: 0 and k_max; an eager engine tries every length).
 k = 0 is a plain decode; the draft then reads what the target kept once every 128 positions. A
-draft length chosen last stays unless plain decoding beats it by SWITCH_MARGIN. Worked example,
+draft length chosen last stays unless plain decoding beats it by SWITCH_MARGIN. A length that has not
+run for REFRESH_STEPS steps runs once when the model puts it within REFRESH_MARGIN of the best: only
+a length that runs keeps its figures current (cost_model.py), and a stale figure that reads too dear
+would otherwise never run again to be corrected. Worked example,
 b = 32, host time aside: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms,
 T_draft(32, 3) = 4 ms, r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) =
 32 x 2.8 / 23 ms = 3.9: draft.
@@ -48,6 +51,11 @@ MIN_OBSERVED = 16  # verifications before the engine-wide estimate is trusted: u
 # decoding by 1.2x) from 0.89x to 0.99x fixed k = 3 (one sitting each). A switch back to drafting
 # needs none: a plain step's costs are all in the model.
 SWITCH_MARGIN = 0.1
+# A length not run for REFRESH_STEPS steps whose modelled rate is within REFRESH_MARGIN of the best
+# runs for one step, so that its figures follow the contexts and the machine too. At most one step in
+# REFRESH_STEPS is slower than the best by the model, and by less than REFRESH_MARGIN: ~0.5% at most.
+REFRESH_STEPS = 32
+REFRESH_MARGIN = 0.15
 
 
 @dataclass
@@ -101,6 +109,9 @@ class DraftLengthPolicy:
         self.last_choice: int | None = None  # the step-wide length chosen last (None: not chosen by rate)
         self.num_chosen: dict[int, int] = {}  # step-wide length -> steps that chose it by rate
         self.incumbent: int | None = None  # the length chosen last, kept unless another wins by SWITCH_MARGIN
+        self.num_steps = 0  # steps chosen for by rate
+        self.last_run: dict[int, int] = {}  # step-wide length -> the step it last ran (none: the first)
+        self.num_refreshes = 0  # steps that ran a stale length (REFRESH_STEPS)
 
     def new_estimate(self) -> AcceptanceEstimate:
         """A request's own estimate, started from the engine's."""
@@ -117,18 +128,24 @@ class DraftLengthPolicy:
         most = [w.most for w in wants]
         if not self.adaptive or not wants or self.num_observed < MIN_OBSERVED:
             return most
-        best, best_rate = most, 0.0
+        counts_of, rates = {}, {}
         for k in self.lengths:
-            counts = [w.most if w.fixed else min(k, w.most) for w in wants]
-            rate = self.tokens_per_s(wants, counts)
-            if rate is None:  # a shape never timed: draft as many as may be, as a fixed policy would
+            counts_of[k] = [w.most if w.fixed else min(k, w.most) for w in wants]
+            rates[k] = self.tokens_per_s(wants, counts_of[k])
+            if rates[k] is None:  # a shape never timed: draft as many as may be, as a fixed policy would
                 return most
-            if k == self.incumbent and k > 0:
-                rate *= 1 + SWITCH_MARGIN
-            if rate > best_rate:  # ties go to the shorter length, tried first: the same rate for less work
-                best, best_rate, self.last_choice = counts, rate, k
-        self.incumbent = self.last_choice
-        self.num_chosen[self.last_choice] = self.num_chosen.get(self.last_choice, 0) + 1
+        # Ties go to the shorter length, tried first: the same rate for less work.
+        chosen = max(self.lengths, key=lambda k: rates[k] * (1 + SWITCH_MARGIN if k == self.incumbent and k else 1))
+        self.incumbent = chosen
+        self.num_steps += 1
+        stale = [k for k in self.lengths if k != chosen and rates[k] >= (1 - REFRESH_MARGIN) * rates[chosen]
+                 and self.num_steps - self.last_run.get(k, 0) >= REFRESH_STEPS]
+        if stale:
+            chosen = min(stale, key=lambda k: self.last_run.get(k, 0))  # the longest unrun
+            self.num_refreshes += 1
+        self.last_run[chosen] = self.num_steps
+        self.last_choice, best = chosen, counts_of[chosen]
+        self.num_chosen[chosen] = self.num_chosen.get(chosen, 0) + 1
         for want, count in zip(wants, best, strict=True):
             if count == 0 and want.most:
                 want.acceptance.relax(self.acceptance, RELAX)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from warpspec.spec_decode.cost_model import ALPHA, StepCostModel
+from warpspec.spec_decode.cost_model import ALPHA, MAX_WEIGHT, StepCostModel
 
 
 def test_unseen_batch_sizes_read_between_and_beyond_the_timed_ones():
@@ -63,3 +63,25 @@ def test_the_host_time_of_a_step_follows_its_length_and_reads_the_nearest_before
     costs.observe_host(32, 1, 0.73e-3)  # moves only its own length's figure
     assert costs.host_time(32, 1) == pytest.approx((0.63 + ALPHA * 0.1) * 1e-3)
     assert costs.host_time(32, 4) == pytest.approx(1.17e-3)
+
+
+def test_a_figure_not_observed_for_steps_moves_as_far_as_those_steps_would_have_moved_it():
+    """Batch 64 on the bundled pair: plain steps ran while the verification's figure kept its warm-up
+    reading (22.4 ms) long after the steps it stood for took less. A figure observed at every step
+    moves ALPHA; one last observed 3 steps ago, 1 - (1 - ALPHA)^3; a figure stale for many steps moves
+    at most MAX_WEIGHT (one step is noisy)."""
+    costs = StepCostModel()
+    costs.set("target", 64, 1, 0.0063)
+    costs.set("target", 64, 4, 0.0224)
+    for _ in range(3):
+        costs.advance()
+        costs.observe_target(64, 1, 0.0073)
+    fresh = 0.0063 + (0.0073 - 0.0063) * (1 - (1 - ALPHA) ** 3)
+    assert costs.target_time(64, 1) == pytest.approx(fresh)  # three steps of ALPHA each
+    costs.advance()
+    costs.observe_target(64, 4, 0.0204)  # last observed 4 steps ago, at warm-up
+    assert costs.target_time(64, 4) == pytest.approx(0.0224 - 0.0020 * (1 - (1 - ALPHA) ** 4))
+    for _ in range(100):
+        costs.advance()
+    costs.observe_target(64, 1, 0.0095)
+    assert costs.target_time(64, 1) == pytest.approx(fresh + MAX_WEIGHT * (0.0095 - fresh))

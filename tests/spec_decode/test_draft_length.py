@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from warpspec.spec_decode.cost_model import StepCostModel
-from warpspec.spec_decode.draft_length import MIN_OBSERVED, RELAX, AcceptanceEstimate, DraftLengthPolicy, DraftWant
+from warpspec.spec_decode.draft_length import (
+    MIN_OBSERVED,
+    REFRESH_MARGIN,
+    REFRESH_STEPS,
+    RELAX,
+    AcceptanceEstimate,
+    DraftLengthPolicy,
+    DraftWant,
+)
 
 
 def _costs() -> StepCostModel:
@@ -65,6 +73,24 @@ def test_plain_decoding_pays_its_own_host_time_not_a_verifications():
     policy.costs.observe_host(32, 1, 0.0005)  # a plain step ran
     policy.incumbent = None  # no margin for the length chosen last
     assert policy.choose(_wants([0.8, 0.7, 0.6], 32)) == [0] * 32
+
+
+def test_a_length_that_has_not_run_for_a_while_runs_once_when_it_is_nearly_the_best():
+    """Batch 32, r = [0.8, 0.6, 0.4]: a verification's figure read dear (26 ms: 32 x 2.8 / 30 ms =
+    2.99 tokens/ms) puts drafting 7% behind plain decoding's 3.2. Plain runs, and once every
+    REFRESH_STEPS steps drafting runs once, so that its figure follows what such a step takes now;
+    the step after goes back to the best. A length the model puts more than REFRESH_MARGIN behind
+    never runs."""
+    policy = _policy()
+    policy.costs.set("target", 32, 4, 0.026)
+    chosen = [policy.choose(_wants([0.8, 0.6, 0.4], 32))[0] for _ in range(2 * REFRESH_STEPS)]
+    assert chosen == ([0] * (REFRESH_STEPS - 1) + [3]) * 2 and policy.num_refreshes == 2
+    policy.costs.set("target", 32, 4, 0.019)  # what the refreshing steps found: drafting wins from now on
+    assert [policy.choose(_wants([0.8, 0.6, 0.4], 32))[0] for _ in range(2)] == [3, 3]
+    assert (1 - REFRESH_MARGIN) * 32 / (9 + 1) > 32 * 1.9 / (19 + 4)  # r = [0.5, 0.3, 0.1]: far behind
+    policy = _policy()
+    chosen = {policy.choose(_wants([0.5, 0.3, 0.1], 32))[0] for _ in range(3 * REFRESH_STEPS)}
+    assert chosen == {0} and policy.num_refreshes == 0
 
 
 def test_one_bad_step_of_a_large_batch_barely_moves_the_engines_estimate():

@@ -347,6 +347,7 @@ def test_adaptive_draft_length_keeps_greedy_output_and_times_the_steps(target, d
     assert [o.token_ids for o in opted_out] == [r.token_ids for r in reference[:2]]
     assert all("acceptance_length" not in o.metrics for o in opted_out)
     assert sum(policy.num_chosen.values()) > 0 and len(stats.acceptance_rates) == 3
+    assert policy.costs.steps >= policy.num_steps > 0  # every step counts: how stale each figure is
     with LLM(str(target), dtype="float32", enforce_eager=True) as llm, pytest.raises(
             InvalidRequestError, match="speculation is true, but this engine has no draft model"):
         llm.generate(_prompts()[:1], SamplingParams(max_tokens=2, speculation=True))
