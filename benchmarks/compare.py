@@ -8,7 +8,7 @@ prompts alone and reports the median over them (acceptance varies by prompt); a 
 the first prompts together. Tokens/s per user, ratios to transformers' greedy, and the draft's share
 of step time; Markdown, JSON and a PNG bar chart under runs/bench/. Every configuration runs greedy,
 so all of them must emit the same tokens (checked, and reported). The header says how OpenMP threads
-wait (OMP_WAIT_POLICY) and how many torch uses: on a CPU both change every figure.
+wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT) and how many torch uses: on a CPU each changes every figure.
 
 Another pair: --target, --draft and --prompts (equal-length token ids in the held-out prompts' JSON
 format); any engine option of `warpspec serve` (--block-size, --max-num-seqs, ...) applies to every
@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"target {args.target}, draft {args.draft}, {args.dtype}, {len(prompts[0])}-token prompts from "
           f"{args.prompts}, {args.new_tokens} new tokens, greedy, median of {args.repeats} interleaved runs; batch 1: "
           f"median over {args.batch1_prompts} prompts run alone; engine options {engine_options or 'the defaults'}")
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spinning)')}, torch threads "
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spinning)')}, "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', '(unset)')}, torch threads "
           f"{torch.get_num_threads()}; compiled graphs' thread counts: {threads}\n")
     print(table)
     out = Path(args.run_dir, "bench")

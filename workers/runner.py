@@ -15,7 +15,7 @@ from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator, collective_failures
 from warpspec.workers.compiled_step import CompiledStepRunner
-from warpspec.workers.cpu_threads import fastest_thread_count, graph_thread_count
+from warpspec.workers.cpu_threads import advise_on_sleeping_threads, fastest_thread_count, graph_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.kv_groups import kv_group_layout
@@ -91,7 +91,10 @@ class ModelRunner:
         request waits for them (CompiledStepRunner.warm_up_steps), each with its thread count
         (cpu_threads.graph_thread_count); then steps check only the guards that tell the graphs
         apart (CountingCompiler.seal). Nothing to do otherwise. Over several ranks every rank warms
-        up at once, on the same steps: they meet in each step's collectives."""
+        up at once, on the same steps: they meet in each step's collectives. On a CPU, first say
+        whether OpenMP's threads sleep between regions (cpu_threads.sleeping_threads_advice)."""
+        if self.device.type == "cpu":
+            advise_on_sleeping_threads()
         if isinstance(self.graph_runner, CompiledStepRunner):
             steps = self.graph_runner.warm_up_steps(aux_layer_ids)
             for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):

@@ -1,9 +1,11 @@
-"""The thread count of compiled CPU steps: the candidates, the timing that picks one, and that a
-chosen count is restored after the block that ran with it."""
+"""The thread count of compiled CPU steps: the candidates, the timing that picks one, that a
+chosen count is restored after the block that ran with it, and the advice given where OpenMP's
+threads sleep between regions."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -14,9 +16,11 @@ import torch
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.cpu_threads import (
     TIMED_RUNS,
+    advise_on_sleeping_threads,
     candidate_thread_counts,
     fastest_thread_count,
     in_a_passing_thread,
+    sleeping_threads_advice,
     torch_threads,
 )
 
@@ -92,3 +96,26 @@ def test_a_passing_thread_returns_the_value_and_raises_the_error():
 
     with pytest.raises(ValueError, match="bad model path"):
         asyncio.run(in_a_passing_thread(fail))
+
+
+def test_sleeping_threads_are_named_with_what_to_set_once_a_process(monkeypatch, caplog):
+    """PASSIVE without GOMP_SPINCOUNT, 2 threads: the advice names both variables and the value; a
+    spin count, one thread or another wait policy need none."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr("warpspec.workers.cpu_threads._advised", [])
+    with torch_threads(2):
+        advice = sleeping_threads_advice()
+        assert advice is not None and "OMP_WAIT_POLICY=PASSIVE" in advice and "GOMP_SPINCOUNT=10000" in advice
+        with caplog.at_level(logging.WARNING, logger="warpspec.workers.cpu_threads"):
+            advise_on_sleeping_threads()
+            advise_on_sleeping_threads()
+        assert [r.getMessage() for r in caplog.records] == [advice]
+        monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+        assert sleeping_threads_advice() is None
+        monkeypatch.delenv("GOMP_SPINCOUNT")
+        monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+        assert sleeping_threads_advice() is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    with torch_threads(1):
+        assert sleeping_threads_advice() is None
