@@ -5,8 +5,9 @@ import statistics
 import sys
 import time
 
-from warpspec import LLM, SamplingParams
 from warpspec.assets import BUNDLED_TARGET, held_out_prompts
+from warpspec.entrypoints.llm import LLM
+from warpspec.sampling_params import SamplingParams
 
 prompts = held_out_prompts()
 params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
