@@ -590,8 +590,9 @@ class EngineCore:
         that at batch 1 here (1.2 against 2.2 ms). Every DRAFT_BACKLOG positions, or as soon as it
         drafts again, it catches up on them all in one call, one step of a few rows instead of many of
         one. The features of what is sent then form one tensor, the backlogs' rows before each
-        request's own: [a0 a1 | b0] with a's backlog [a_-2 a_-1] -> [a_-2 a_-1 a0 a1 | b0]."""
-        if not self.draft_lengths.adaptive:
+        request's own: [a0 a1 | b0] with a's backlog [a_-2 a_-1] -> [a_-2 a_-1 a0 a1 | b0]. A
+        proposer that reads no features (no aux layers) has nothing to keep: it hears every step."""
+        if not self.draft_lengths.adaptive or not aux_hidden:
             return requests, live, aux_hidden
         features = None  # this step's [num_tokens, 3 * hidden], read only where a backlog changes
         sent, sent_live, caught_up = [], [], {}  # caught_up: index in sent -> its rows, backlog first
