@@ -82,9 +82,10 @@ def test_the_drafts_scratch_blocks_are_made_at_start_and_its_cache_never_grows(t
 
 def test_engine_stats_count_drafts_and_accepts_per_draft_position(target, draft):
     """What the replica's per-position counters and its last-minute acceptance read (metrics.py). This
-    random draft is no draft of this target: it accepts next to nothing, which the watch flags."""
+    random draft is no draft of this target: it accepts next to nothing, which the watch flags. Fixed
+    k: the adaptive policy would soon stop drafting with it, leaving the watch too few verifications."""
     with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_speculative_tokens=3,
-             enforce_eager=True) as llm:
+             enforce_eager=True, speculative_policy="fixed") as llm:
         llm.generate(_prompts(), GREEDY)
         spec, core = llm.engine.spec_stats, llm.engine.stats()
     assert len(core.drafted_at) == len(core.accepted_at) == 3
