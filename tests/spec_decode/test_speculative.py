@@ -135,6 +135,20 @@ def scripted(reference, error_rate: float, aux_layer_ids: tuple[int, ...] = ()) 
                             dict(zip(ids, map(len, _prompts()), strict=True)), error_rate, aux_layer_ids=aux_layer_ids)
 
 
+
+def test_the_adaptive_policy_drives_a_proposer_that_reads_no_features(target, reference):
+    """A proposer without aux layers gets no target features. Under the adaptive policy a request
+    that drafts nothing (here: opted out) keeps a backlog of its features for the draft; with none to
+    keep, the proposer hears every step instead (joining no features failed the step)."""
+    params = [GREEDY] * 4 + [dataclasses.replace(GREEDY, speculation=False)]
+    with LLM(str(target), dtype="float32", num_speculative_tokens=3, block_size=4, enforce_eager=True,
+             proposer=scripted(reference, 0.3), speculative_policy="adaptive") as llm:
+        outs = llm.generate(_prompts(), params)
+        stats = llm.engine.spec_stats
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert stats.num_verify_steps > 0 and "acceptance_length" not in outs[-1].metrics
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "compiled"])
 @pytest.mark.parametrize("error_rate", [0.0, 0.3])
 def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference, error_rate, enforce_eager):
