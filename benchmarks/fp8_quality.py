@@ -74,7 +74,9 @@ def measure(target: str, draft: str, quantization: str | None, dtype: str, windo
         ppl = perplexity(llm, windows)
         report = llm.engine.executor.runner.model.load_report
         param_bytes, num_fp8 = report.param_bytes, len(report.fp8_modules)
-    with LLM(target, dtype=dtype, quantization=quantization, draft=draft, num_speculative_tokens=3) as llm:
+    # Fixed k: acceptance compared between the weights' formats, not between lengths chosen from timings.
+    with LLM(target, dtype=dtype, quantization=quantization, draft=draft, num_speculative_tokens=3,
+             speculative_policy="fixed") as llm:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
         outs = llm.generate(held_out_prompts(), params)
         stats = llm.engine.spec_stats

@@ -164,7 +164,9 @@ def prefix_hits(target: Path, draft: Path, chunk_size: int) -> list[dict]:
     prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(8)]
     rows, tokens = [], {}
     for hybrid in (True, False):
-        with engine(target, hybrid, draft=str(draft), compile_draft=not ENFORCE_EAGER["enforce_eager"]) as llm:
+        # Fixed k: acceptance compared between the caches, not between draft lengths chosen from timings.
+        with engine(target, hybrid, draft=str(draft), compile_draft=not ENFORCE_EAGER["enforce_eager"],
+                    speculative_policy="fixed") as llm:
             outs = [llm.generate([prompt], greedy(32))[0] for prompt in prompts]
             tokens[hybrid] = [o.token_ids for o in outs]
             rows.append({"hybrid": hybrid, "hit_rate": llm.engine.block_manager.stats.hit_rate,

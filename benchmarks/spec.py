@@ -1,7 +1,7 @@
 """`warpspec bench spec`: speculative decoding against plain decoding, same checkpoint pair and
 prompts, one run: tokens/s per user at several batch sizes, mean acceptance length, per-position
-acceptance rate, and the draft's share of step time. Greedy, so both runs emit the same tokens
-(checked)."""
+acceptance rate, and the draft's share of step time, at k drafts every step (speculative_policy
+fixed). Greedy, so both runs emit the same tokens (checked)."""
 
 from __future__ import annotations
 
@@ -48,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     k = args.num_speculative_tokens
     with LLM(args.target, dtype="float32") as plain, \
-            LLM(args.target, dtype="float32", draft=args.draft, num_speculative_tokens=k) as spec, \
-            LLM(args.target, dtype="float32", draft=args.draft, num_speculative_tokens=k, compile_draft=False) as eager:
+            LLM(args.target, dtype="float32", draft=args.draft, num_speculative_tokens=k,
+                speculative_policy="fixed") as spec, \
+            LLM(args.target, dtype="float32", draft=args.draft, num_speculative_tokens=k, compile_draft=False,
+                speculative_policy="fixed") as eager:
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             prompts = _prompts(plain, batch, args.prompt_len)
             plain_rate, plain_tokens = measure(plain, prompts, args.new_tokens, args.repeats)

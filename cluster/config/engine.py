@@ -106,8 +106,9 @@ class SpeculativeConfig:
     # tokens without a draft, at a lower acceptance (sample/rejection_sampler.py).
     coupled_verification: bool = False
     # adaptive: each step's draft length chosen from measured step costs and acceptance
-    # (spec_decode/draft_length.py); fixed: num_speculative_tokens at every step.
-    speculative_policy: str = "fixed"
+    # (spec_decode/draft_length.py), so that the draft never makes a step slower than plain decoding
+    # would be; fixed: num_speculative_tokens at every step.
+    speculative_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.speculative_policy not in SPECULATIVE_POLICIES:

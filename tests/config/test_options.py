@@ -32,7 +32,7 @@ SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "devi
           "placement_timeout_s": 4.5, "core_reply_interval_ms": 0.0, "comm_backend": "gloo",
           "moe_parallel": "expert", "draft": "d", "num_speculative_tokens": 5, "aux_layer_offset": 1,
           "compile_draft": False, "coupled_verification": True,
-          "speculative_policy": "adaptive"}
+          "speculative_policy": "fixed"}
 
 
 def _field(config: EngineConfig, path: str):

@@ -37,7 +37,8 @@ def test_an_engine_in_this_process_reports_its_weights_and_its_draft(pair):
     with LLM(str(target), dtype="float32", draft=str(draft), enforce_eager=True) as llm:
         phases = llm.startup
         stats, step_budget = llm.engine.stats(), llm.engine.config.scheduler.max_num_batched_tokens
-    assert [p.name for p in phases] == ["weights and KV cache", "draft", "warm-up prompt"]  # eager: nothing compiles
+    # Eager: nothing compiles; the adaptive draft length times the steps it chooses between.
+    assert [p.name for p in phases] == ["weights and KV cache", "draft", "warm-up prompt", "time steps"]
     assert phases[0].detail.startswith("1 rank, ") and all(p.seconds > 0 for p in phases)
     # The stand-in prompt: as long as the step budget allows (WARM_UP_PROMPT_TOKENS at most), and gone.
     assert phases[2].detail == f"{min(WARM_UP_PROMPT_TOKENS, step_budget)} tokens"
@@ -53,5 +54,5 @@ def test_an_engine_on_ray_reports_placement_the_coordinators_start_and_its_phase
         # The coordinator's batch forgot the stand-in prompt: a request runs beside nothing.
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
     assert [p.name for p in phases] == ["placement", "coordinator process", "weights and KV cache", "draft",
-                                        "warm-up prompt"]
+                                        "warm-up prompt", "time steps"]
     assert phases[2].detail.startswith("1 rank, ") and all(p.seconds >= 0 for p in phases)
