@@ -107,7 +107,7 @@ class DraftLengthPolicy:
         self.acceptance = AcceptanceEstimate([0.0] * max_drafts)  # engine-wide
         self.num_observed = 0
         self.last_choice: int | None = None  # the step-wide length chosen last (None: not chosen by rate)
-        self.num_chosen: dict[int, int] = {}  # step-wide length -> steps that chose it by rate
+        self.num_chosen: dict[int, int] = {}  # step-wide length -> steps that ran it (by rate, or a refresh)
         self.incumbent: int | None = None  # the length chosen last, kept unless another wins by SWITCH_MARGIN
         self.num_steps = 0  # steps chosen for by rate
         self.last_run: dict[int, int] = {}  # step-wide length -> the step it last ran (none: the first)
