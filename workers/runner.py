@@ -80,7 +80,8 @@ class ModelRunner:
             with batch_invariant.deterministic(deterministic):
                 self.graph_runner = CudaGraphRunner(self.model, cuda_graphs, pad_block=self.num_blocks,
                                                     max_blocks=-(-cuda_graphs.max_model_len // block_size),
-                                                    block_size=block_size, device=self.device)
+                                                    block_size=block_size, device=self.device,
+                                                    chunk_size=self.kv_layout.chunk_size)
         elif use_compiled:
             self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size, self.kv_layout, self.kv_caches)
         # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
