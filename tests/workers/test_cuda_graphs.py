@@ -126,17 +126,17 @@ def test_steps_that_do_not_fit_run_eagerly(checkpoint):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
 @pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
 def test_graph_replay_matches_eager_on_gpu(mid_block_checkpoint, hybrid):
-    """Two steps of one graph: the second replays it with longer contexts (a window past a chunk
-    start inside a block, when hybrid)."""
+    """Two decode steps of one graph, the second a replay with longer contexts; when hybrid, the
+    longer sequence's chunk starts at 18, inside block 4."""
     cache = CacheConfig(block_size=BLOCK, num_blocks=16, hybrid=hybrid)
     eager = ModelRunner(mid_block_checkpoint, "float32", cache, "cuda")
     graphed = ModelRunner(mid_block_checkpoint, "float32", cache, "cuda", cuda_graphs=CudaGraphConfig(max_model_len=64))
     assert graphed.kv_layout.is_hybrid == hybrid
-    prompts, tables = [[5, 6, 7], list(range(3, 17))], [[0, 1], [2, 3, 4, 5]]
+    prompts, tables = [[5, 6, 7], list(range(3, 21))], [[0, 1], [2, 3, 4, 5, 6, 7]]
     for runner in (eager, graphed):
-        prefill_then(runner, prompts, tables, [[]] * 2)
-    for num_cached, new in ((3, 14), (4, 15)):
-        seqs = [SequenceStep([10 + num_cached], num_cached, tables[0], 0), SequenceStep([new], new, tables[1], 0)]
+        runner.execute(build_step(runner, [SequenceStep(p, 0, t, 0) for p, t in zip(prompts, tables, strict=True)]))
+    for short, long in ((3, 18), (4, 19)):
+        seqs = [SequenceStep([10 + short], short, tables[0], 0), SequenceStep([long], long, tables[1], 0)]
         expected = eager.execute(build_step(eager, seqs)).logits
         got = graphed.execute(build_step(graphed, seqs)).logits
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
