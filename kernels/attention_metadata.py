@@ -104,7 +104,11 @@ class PagedAttentionMetadata:
             kv, q = padded["kv_abs_positions"][:, None, :], padded["q_positions"][:, :, None]
             allowed = kv <= q
             if chunk_size is not None:
-                allowed &= (kv // chunk_size) == (q // chunk_size)
+                # The query's chunk, as kv // c == q // c: with kv <= q, kv at or past the chunk's
+                # first position. A comparison per key, where the division was one per key that a
+                # compiled step could not vectorize once the keys start mid-context (a hybrid cache's
+                # window tables): 64-bit lanes have no SIMD division.
+                allowed &= kv >= q - q % chunk_size
             # Padding queries attend to position 0 so their softmax stays finite; they are dropped.
             allowed |= ~padded["is_real_query"][:, :, None] & (padded["kv_positions"] == 0)[None, None, :]
             self.masks[chunk_size] = allowed[:, None, :, :]

@@ -1,10 +1,12 @@
 """A hybrid KV cache against a full one at short context, one compiled decode step each, in one process:
 the `small` preset with chunk 128 (6 layers, 1 NoPE: 6 KV groups of one layer, the most groups per
 layer any layout has), block 16, float32, every sequence `context` tokens in. 50 steps a run, the runs
-of the two runners interleaved; prints each one's median ms a step and the spread of the runs.
+of the two runners interleaved; prints each one's median ms a step and the spread of the runs. A fourth
+argument sets the number of layers: 8 (NoPE at 3 and 7) gives Maverick's layout, a full group and 3
+chunked groups of 2 layers each.
 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=10000 \
-        python benchmarks/results/2026-12-06-hybrid-short-context-cpu.py 8 64 30
+        python benchmarks/results/2026-12-06-hybrid-short-context-cpu.py 8 64 30 [LAYERS]
 """
 
 import statistics
@@ -40,9 +42,11 @@ def step(runner: ModelRunner, seqs: list[SequenceStep]) -> StepInput:
 
 def main() -> None:
     batch, context, runs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    path = Path("runs/hybrid-short-context-c128")
+    layers = int(sys.argv[4]) if len(sys.argv) > 4 else 6
+    path = Path("runs/hybrid-short-context-c128" + ("" if layers == 6 else f"-l{layers}"))
     if not (path / "config.json").exists():
-        create_random_checkpoint(path, "small", attention_chunk_size=CHUNK, max_position_embeddings=32768)
+        create_random_checkpoint(path, "small", attention_chunk_size=CHUNK, max_position_embeddings=32768,
+                                 num_hidden_layers=layers)
     runners = {}
     for hybrid in (True, False):
         runner = ModelRunner(path, "float32", CacheConfig(block_size=BLOCK, num_blocks=512, hybrid=hybrid),
@@ -64,6 +68,7 @@ def main() -> None:
             for _ in range(STEPS):
                 runner.execute(decode[hybrid])
             ms[hybrid].append((time.perf_counter() - start) / STEPS * 1e3)
+    print(f"{layers} layers, KV groups of the hybrid cache: {[g.layer_ids for g in runners[True].kv_layout.groups]}")
     for hybrid in (True, False):
         name = "hybrid" if hybrid else "full"
         print(f"{name}: batch {batch}, context {context}: {statistics.median(ms[hybrid]):.4f} ms a step "
