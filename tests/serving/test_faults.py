@@ -29,6 +29,7 @@ from warpspec.protos.warpspec.v1 import generation_pb2 as pb
 from warpspec.protos.warpspec.v1 import generation_pb2_grpc as pb_grpc
 from warpspec.sampling_params import SamplingParams
 from warpspec.serving.replica_frontend import ReplicaFrontend
+from warpspec.serving.serve_config import ServeConfig
 from warpspec.serving.wire_errors import wire_error
 
 pytestmark = pytest.mark.slow
@@ -96,6 +97,20 @@ def _health(health, app: str) -> int | None:
         return None
 
 
+# Serve replaces a replica after REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD (3) failed health checks in a
+# row, one every health_check_period_s, and only a passing check resets the count: the checks that
+# failed while one test's replica rebuilt counted towards the next test's fault when it came before
+# Serve had checked the rebuilt replica (seen once in a fresh clone's suite: the stuck coordinator right
+# after the two kills, its replica replaced instead of rebuilt). Each fault waits for that check.
+REBUILT_AT: list[float] = []  # when a test saw its replica serve again
+
+
+def _after_serve_checked_the_last_rebuild() -> None:
+    if REBUILT_AT:
+        checked_by = REBUILT_AT[-1] + 1.1 * ServeConfig.health_check_period_s + 0.5  # Serve jitters by 10%
+        time.sleep(max(0.0, checked_by - time.monotonic()))
+
+
 def _stream(stub, app: str, max_tokens: int) -> Stream:
     """A greedy stream of the app's, in a thread once started."""
     return Stream(stub, max_tokens, prompt=[1, 2, 3], metadata=_metadata(app), timeout_s=120)
@@ -111,6 +126,7 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
     rss_before = psutil.Process(before.pid).memory_info().rss
     assert len(before.worker_pids) == 2 and before.coordinator_pid is not None
 
+    _after_serve_checked_the_last_rebuild()
     streams = [_stream(stub, FAULT_APP, max_tokens=1000) for _ in range(3)]
     for s in streams:
         s.start()
@@ -144,6 +160,7 @@ def test_killed_process_fails_in_flight_requests_and_the_replica_rebuilds(fault_
     assert http_refused.value.code == 503
     wait_for(lambda: _health(health, FAULT_APP) == health_pb2.HealthCheckResponse.SERVING, 90,
              "the replica to serve again")
+    REBUILT_AT.append(time.monotonic())
 
     after = handle.processes.remote().result()
     assert after.pid == before.pid, "Serve replaced the replica instead of it rebuilding"
@@ -165,6 +182,7 @@ def test_a_stuck_coordinator_fails_its_requests_and_the_replica_rebuilds(fault_a
     stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
     expected = _greedy(stub, FAULT_APP)
     before = handle.processes.remote().result()
+    _after_serve_checked_the_last_rebuild()
     streams = [_stream(stub, FAULT_APP, max_tokens=1000) for _ in range(2)]
     for s in streams:
         s.start()
@@ -185,6 +203,7 @@ def test_a_stuck_coordinator_fails_its_requests_and_the_replica_rebuilds(fault_a
         # it could never answer (waiting out that call's 30 s, Serve's health checks replaced the replica).
         wait_for(lambda: _health(health, FAULT_APP) == health_pb2.HealthCheckResponse.SERVING, 120,
                  "the replica to serve again")
+        REBUILT_AT.append(time.monotonic())
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(before.coordinator_pid, signal.SIGKILL)
