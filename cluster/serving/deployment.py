@@ -14,8 +14,10 @@ Two ingresses reach it:
 Faults and shutdown:
 - a step that fails fatally (a worker or the coordinator died) fails the requests in flight with
   UNAVAILABLE / 503 and starts rebuilding the engine in place (ReplicaFrontend); `check_health` fails
-  until it is back. If rebuilding fails, or outlasts Serve's patience (3 failed checks, one every
-  health_check_period_s), Serve replaces the whole replica instead.
+  until it is back. If rebuilding fails, or outlasts Serve's patience (3 failed checks in a row, one
+  every health_check_period_s; only a passing check resets the count, so the failed checks of a
+  rebuild still count towards a second fault that comes before Serve's next check), Serve replaces the
+  whole replica instead.
 - scale-down and redeploys: Serve stops routing to the replica and waits up to
   graceful_shutdown_timeout_s for its requests; `__del__` then ends any stragglers (UNAVAILABLE) after
   drain_timeout_s and releases the coordinator, workers and placement group. A replica killed outright
