@@ -99,9 +99,10 @@ def _health(health, app: str) -> int | None:
 
 # Serve replaces a replica after REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD (3) failed health checks in a
 # row, one every health_check_period_s, and only a passing check resets the count: the checks that
-# failed while one test's replica rebuilt counted towards the next test's fault when it came before
-# Serve had checked the rebuilt replica (seen once in a fresh clone's suite: the stuck coordinator right
-# after the two kills, its replica replaced instead of rebuilt). Each fault waits for that check.
+# failed while one test's replica rebuilt count towards the next test's fault when it comes before
+# Serve has checked the rebuilt replica (the likely cause of a replacement seen once in a fresh clone's
+# suite: the stuck coordinator right after the two kills, its replica replaced instead of rebuilt).
+# Each fault waits for that check.
 REBUILT_AT: list[float] = []  # when a test saw its replica serve again
 
 
