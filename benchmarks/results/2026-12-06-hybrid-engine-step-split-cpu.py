@@ -51,7 +51,7 @@ def windows_reused(window_inputs):
                 block, offset = divmod(p, block_size)
                 slots += [table[block] * block_size + offset for table in seq.window_tables]
         if key != last["key"]:
-            last.update(key=key, held=[seq.window_tables for seq in seqs], **window_inputs(seqs, block_size, chunk_size))
+            last.update(window_inputs(seqs, block_size, chunk_size), key=key, held=[seq.window_tables for seq in seqs])
         return {"window_starts": last["window_starts"], "window_tables": last["window_tables"],
                 "window_slot_mapping": step_module.int_tensor(slots).view(-1, len(seqs[0].window_tables))}
     return reused
@@ -68,7 +68,8 @@ def main() -> None:
     if not (path / "config.json").exists():
         create_random_checkpoint(path, "small", attention_chunk_size=CHUNK, max_position_embeddings=32768,
                                  num_hidden_layers=layers)
-    engines = {hybrid: LLM(str(path), dtype="float32", block_size=16, hybrid_kv_cache=hybrid) for hybrid in (True, False)}
+    engines = {hybrid: LLM(str(path), dtype="float32", block_size=16, hybrid_kv_cache=hybrid)
+               for hybrid in (True, False)}
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     times = {hybrid: {"step": [], "execute": [], "build": []} for hybrid in engines}
     for r in range(rounds):
