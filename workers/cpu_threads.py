@@ -1,5 +1,5 @@
-"""How many torch threads a compiled step runs with on a CPU: whichever count ran its step fastest at
-start-up.
+"""How many torch threads a compiled step runs with on a CPU: torch's count, unless fewer ran a lone
+sequence's step clearly faster at start-up.
 
 A step of a small model is a few dozen parallel regions (GEMM calls and fused loops) of microseconds
 each. Whether more threads pay depends on how OpenMP threads wait between regions, which torch cannot
@@ -9,10 +9,17 @@ see. Measured decoding the bundled target at batch 1 on 2 cores:
 - sleeping (OMP_WAIT_POLICY=PASSIVE, what a machine shared with other processes needs): each region
   wakes its threads, ~65 us for a 256 x 384 GEMM that computes in 7 us, and 1 thread runs the step
   2.5x faster than 2.
-So a compiled graph for one sequence runs with the count that ran its step fastest eagerly, timed at
-start-up (the eager step has the same many short regions; a graph guards on the thread count it was
-built with). A graph for two or more sequences serves every batch up to max_num_seqs, and runs with
-torch's count: the eager proxy misjudges it. On the bundled target under PASSIVE, eager steps of 8
+So the count of a compiled graph for one sequence is timed at start-up, eagerly (the eager step has
+the same many short regions; a graph guards on the thread count it was built with, so timing it
+compiled would build it once per count), and a count below torch's is kept only when it ran the
+eager step CLEAR_WIN times as fast. The eager step tells sleeping threads apart, not a small
+difference: with threads that spin briefly (GOMP_SPINCOUNT=10000 beside PASSIVE, what an engine
+advises) the eager step of 1 and 2 threads came within 1-15% of each other, in either order from one
+start to the next, while the compiled step ran 1.18-1.34x faster on 2 threads than on 1 (the
+`small` preset and the bundled target); when they sleep, 1 thread ran the eager step 1.9-2.0x and
+the compiled step 3.4-4.2x faster (benchmarks/results/2026-12-06-one-sequence-threads-cpu.md).
+A graph for two or more sequences serves every batch up to max_num_seqs, and runs with torch's
+count: the eager proxy misjudges it. On the bundled target under PASSIVE, eager steps of 8
 sequences timed 1 thread faster in every start (4.0-4.5 ms against 4.3-5.5), and at 32 in bfloat16
 too, while the compiled graph at 2 threads against 1 generated 128 tokens 1.00-1.08x as fast at batch
 8 in float32 (1.16-1.21x bfloat16), 1.29x (1.25x) at 32 and 1.37x (1.49x) at 64, and 0.90x (1.10x) at
@@ -52,6 +59,7 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 TIMED_RUNS = 5  # per candidate, interleaved; the minimum is kept (noise only ever adds time)
+CLEAR_WIN = 1.5  # how much faster eagerly a count below torch's must be for a lone sequence's graph
 
 
 def candidate_thread_counts(most: int) -> list[int]:
@@ -98,13 +106,20 @@ def fastest_thread_count(run: Callable[[], object], most: int | None = None) -> 
     return min(counts, key=best.__getitem__), best
 
 
-def graph_thread_count(num_seqs: int, saved: int | None, time_eagerly: Callable[[], int]) -> int:
+def graph_thread_count(num_seqs: int, saved: int | None,
+                       time_eagerly: Callable[[], tuple[int, dict[int, float]]]) -> int:
     """The thread count a compiled graph of num_seqs sequences is built and run with (the module
-    docstring): for one sequence, its saved build's (step_artifacts.py) or else the fastest eagerly
-    (time_eagerly, called only then); for more, torch's count, whatever a saved build has."""
+    docstring): for one sequence, its saved build's (step_artifacts.py), or else the fastest count
+    eagerly (time_eagerly: fastest_thread_count's answer, asked only then) if it ran CLEAR_WIN times
+    as fast as torch's count, and torch's count otherwise; for more, torch's count, whatever a saved
+    build has."""
+    most = torch.get_num_threads()
     if num_seqs > 1:
-        return torch.get_num_threads()
-    return saved if saved is not None else time_eagerly()
+        return most
+    if saved is not None:
+        return saved
+    fastest, times = time_eagerly()
+    return fastest if fastest == most or times[fastest] * CLEAR_WIN <= times[most] else most
 
 
 async def in_a_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

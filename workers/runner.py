@@ -100,14 +100,14 @@ class ModelRunner:
             steps = self.graph_runner.warm_up_steps(aux_layer_ids)
             for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):
                 count = graph_thread_count(step.seq_lens.shape[0], self.graph_runner.saved_thread_count(step),
-                                           lambda step=step: self._fastest_thread_count(step))
+                                           lambda step=step: self._time_thread_counts(step))
                 self.graph_runner.set_threads(step, count)
                 self.execute(step)
             self.graph_runner.compiled.seal()
 
     @torch.inference_mode()
-    def _fastest_thread_count(self, step: StepInput) -> int:
-        return fastest_thread_count(lambda: self._eager_forward(step))[0]
+    def _time_thread_counts(self, step: StepInput) -> tuple[int, dict[int, float]]:
+        return fastest_thread_count(lambda: self._eager_forward(step))
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:

@@ -358,7 +358,7 @@ class Eagle3Proposer:
             for graph, compiled, eager, inputs in self._warm_up_graphs(1 if one else 2):
                 self.thread_counts[graph] = graph_thread_count(
                     1 if one else 2, compiled.compiled.saved_thread_count(graph),
-                    lambda eager=eager, inputs=inputs: fastest_thread_count(lambda: eager(*inputs))[0])
+                    lambda eager=eager, inputs=inputs: fastest_thread_count(lambda: eager(*inputs)))
                 self._run_compiled(compiled, inputs, graph)
                 progress.update()
         progress.close()

@@ -288,10 +288,11 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        # One sequence's decode graph: 1 thread, as if the eager timing had said so, the only one
-        # timed; more sequences': torch's 2 (workers/cpu_threads.py).
+        # One sequence's decode graph: 1 thread, as if the eager timing had found it twice as fast as
+        # 2, the only one timed; more sequences': torch's 2 (workers/cpu_threads.py).
         timed = []
-        monkeypatch.setattr("warpspec.workers.runner.fastest_thread_count", lambda run: (timed.append(run) or 1, {}))
+        monkeypatch.setattr("warpspec.workers.runner.fastest_thread_count",
+                            lambda run: (timed.append(run) or 1, {1: 1.0, 2: 2.0}))
         # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
         monkeypatch.setattr(CompiledStepRunner, "saved_thread_count", lambda self, step: None)
         runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=16),

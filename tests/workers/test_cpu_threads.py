@@ -15,10 +15,12 @@ import torch
 
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.cpu_threads import (
+    CLEAR_WIN,
     TIMED_RUNS,
     advise_on_sleeping_threads,
     candidate_thread_counts,
     fastest_thread_count,
+    graph_thread_count,
     in_a_passing_thread,
     sleeping_threads_advice,
     torch_threads,
@@ -49,6 +51,25 @@ def test_the_fastest_count_wins(slow_when_parallel):
     count, times = fastest_thread_count(run, most=2)
     assert count == (1 if slow_when_parallel else 2)
     assert set(times) == {1, 2} and all(t < float("inf") for t in times.values())
+
+
+def test_a_lone_sequence_takes_fewer_threads_only_when_they_ran_clearly_faster():
+    """Where OpenMP's threads spin, the eager step of 1 and 2 threads comes within a few percent in
+    either order while the compiled step is faster on 2; where they sleep, 1 wins several times over."""
+    def timed(times):
+        calls = []
+        return calls, lambda: calls.append(1) or (min(times, key=times.__getitem__), times)
+
+    with torch_threads(2):
+        calls, close = timed({1: 0.0040, 2: 0.0044})
+        assert graph_thread_count(1, None, close) == 2 and calls == [1]
+        _, clear = timed({1: 0.0040, 2: 0.0040 * CLEAR_WIN})
+        assert graph_thread_count(1, None, clear) == 1
+        _, more_wins = timed({1: 0.0050, 2: 0.0040})
+        assert graph_thread_count(1, None, more_wins) == 2
+        # A saved build's count stands, and several sequences run torch's count: neither is timed.
+        calls, clear = timed({1: 0.001, 2: 0.004})
+        assert graph_thread_count(1, 2, clear) == 2 and graph_thread_count(2, None, clear) == 2 and calls == []
 
 
 def test_timing_runs_compiled_functions_eagerly():
