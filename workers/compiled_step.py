@@ -22,12 +22,13 @@ So a replica needs at most two graphs per (query length, captured layers). The e
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
 `num_compiles`; a test runs 2 x 199 decode steps). Each is compiled whole and saved in the compile
 cache folder (step_artifacts.py), so that a later start loads it in a fraction of a second instead
-of tracing it again; a graph that cannot be saved so is compiled through torch.compile. The graph
-for one sequence runs with the thread count that ran its step fastest eagerly, the graph for more
-with torch's count (workers/cpu_threads.py: under OMP_WAIT_POLICY=PASSIVE one thread wins a lone
-sequence's step, and the eager proxy misjudges larger batches). It is chosen before the graph is
-built: a graph guards on the thread count, and timing the compiled step with each count would build
-it once per count.
+of tracing it again; a graph that cannot be saved so is compiled through torch.compile. Every
+graph runs with torch's thread count, but the graph for one sequence runs with fewer threads when
+they ran its step clearly faster eagerly (workers/cpu_threads.py: where OpenMP's threads sleep
+between regions one thread wins a lone sequence's step; elsewhere the eager timing is too close to
+tell, and it misjudges larger batches). The count is chosen before the graph is built: a graph
+guards on the thread count, and timing the compiled step with each count would build it once per
+count.
 """
 
 from __future__ import annotations
