@@ -22,7 +22,8 @@ So a replica needs at most two graphs per (query length, captured layers). The e
 when it starts (ModelRunner.warm_up), and a generation then compiles nothing (counted in
 `num_compiles`; a test runs 2 x 199 decode steps). Each is compiled whole and saved in the compile
 cache folder (step_artifacts.py), so that a later start loads it in a fraction of a second instead
-of tracing it again; a graph that cannot be saved so is compiled through torch.compile. Every
+of tracing it again; a cold start builds the graphs it lacks several at once, in helper processes
+(compile_helpers.py). A graph that cannot be saved so is compiled through torch.compile. Every
 graph runs with torch's thread count, but the graph for one sequence runs with fewer threads when
 they ran its step clearly faster eagerly (workers/cpu_threads.py: where OpenMP's threads sleep
 between regions one thread wins a lone sequence's step; elsewhere the eager timing is too close to
@@ -203,9 +204,11 @@ class CountingCompiler:
         bound = args if owner is None else (owner, *args)
         path = self.artifacts.path(func.__qualname__, graph)
         with inductor_config_patched(vec_isa_options()):  # loading builds what the folder lacks
-            compiled = self.artifacts.load(path, bound)
+            compiled, by_helper = self.artifacts.load(path, bound)
         if compiled is not None:
-            self.num_loaded += 1
+            # A graph a helper built for this start (compile_helpers.py) is one this start compiled.
+            self.num_compiles += by_helper
+            self.num_loaded += not by_helper
         else:
             self.mark_dynamic(args)
             try:
@@ -220,6 +223,17 @@ class CountingCompiler:
             self.num_compiles += 1
         self.whole_graphs[graph] = compiled if owner is None else functools.partial(compiled, owner)
         return self.whole_graphs[graph]
+
+    def is_saved(self, graph: Hashable) -> bool:
+        """Whether graph has a saved build for the current thread count (step_artifacts.py)."""
+        func = getattr(self.fn, "__func__", self.fn)
+        return self.artifacts is not None and self.artifacts.path(func.__qualname__, graph).exists()
+
+    def build(self, *args, graph: Hashable) -> None:
+        """Compile graph whole for args and save it, or load it, without running it: a cold start's
+        builds, shared out among helper processes (compile_helpers.py)."""
+        if graph not in self.whole_graphs and graph not in self.traced_graphs and self.artifacts is not None:
+            self._load_or_compile_whole(graph, args)
 
     def _keep_direct_call(self, graph: Hashable, args: tuple) -> None:
         """The code of the cached graph whose guards pass for args (in the caller's global state:
@@ -318,12 +332,30 @@ class CompiledStepRunner:
         """step on the host; its (logits, aux hidden), or None to run it eagerly."""
         if not self.runs_compiled(step):
             return None
+        with self._threads(step):
+            return self.compiled(*self._call_args(step), graph=self._saved_as(step))
+
+    def build(self, step: StepInput) -> None:
+        """Build (or load) step's graph without running it (CountingCompiler.build)."""
+        with self._threads(step):
+            self.compiled.build(*self._call_args(step), graph=self._saved_as(step))
+
+    def is_saved(self, step: StepInput) -> bool:
+        """Whether step's graph has a saved build for its thread count."""
+        with self._threads(step):
+            return self.compiled.is_saved(self._saved_as(step))
+
+    def _threads(self, step: StepInput):
+        return torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads()))
+
+    @staticmethod
+    def _call_args(step: StepInput) -> tuple:
+        """_forward's arguments for step: block tables widened (MIN_BLOCKS)."""
         block_tables = widen_block_tables(step.block_tables)
         window_tables = None if step.window_tables is None else widen_block_tables(step.window_tables)
-        inputs = (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
-                  step.slot_mapping, step.window_starts, window_tables, step.window_slot_mapping)
-        with torch_threads(self.thread_counts.get(self._graph_of(step), torch.get_num_threads())):
-            return self.compiled(*inputs, step.max_query_len, tuple(step.aux_layer_ids), graph=self._saved_as(step))
+        return (step.input_ids, step.positions, step.query_start_loc, step.seq_lens, block_tables,
+                step.slot_mapping, step.window_starts, window_tables, step.window_slot_mapping,
+                step.max_query_len, tuple(step.aux_layer_ids))
 
     @staticmethod
     def _graph_of(step: StepInput) -> tuple[int, bool]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
 from warpspec.workers import wire
 from warpspec.workers.comm import Communicator, collective_failures
+from warpspec.workers.compile_helpers import build_in_helpers
 from warpspec.workers.compiled_step import CompiledStepRunner
 from warpspec.workers.cpu_threads import advise_on_sleeping_threads, fastest_thread_count, graph_thread_count
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
@@ -92,18 +94,30 @@ class ModelRunner:
         request waits for them (CompiledStepRunner.warm_up_steps), each with its thread count
         (cpu_threads.graph_thread_count); then steps check only the guards that tell the graphs
         apart (CountingCompiler.seal). Nothing to do otherwise. Over several ranks every rank warms
-        up at once, on the same steps: they meet in each step's collectives. On a CPU, first say
-        whether OpenMP's threads sleep between regions (cpu_threads.sleeping_threads_advice)."""
+        up at once, on the same steps: they meet in each step's collectives. One rank alone first
+        builds the graphs its compile cache lacks several at once, in helper processes
+        (compile_helpers.py); every count is settled before, as a graph is saved under its count.
+        On a CPU, first say whether OpenMP's threads sleep between regions
+        (cpu_threads.sleeping_threads_advice)."""
         if self.device.type == "cpu":
             advise_on_sleeping_threads()
         if isinstance(self.graph_runner, CompiledStepRunner):
-            steps = self.graph_runner.warm_up_steps(aux_layer_ids)
+            runner = self.graph_runner
+            steps = runner.warm_up_steps(aux_layer_ids)
+            for step in steps:
+                runner.set_threads(step, graph_thread_count(step.seq_lens.shape[0], runner.saved_thread_count(step),
+                                                            lambda step=step: self._time_thread_counts(step)))
+            if self.model.comm.world_size == 1:  # the longest builds first: several sequences, long queries
+                by_length = sorted(steps, key=lambda step: (-step.seq_lens.shape[0], -step.max_query_len))
+                build_in_helpers([functools.partial(self._build_graph, step) for step in by_length
+                                  if not runner.is_saved(step)], "compiling the target's steps")
             for step in tqdm(steps, desc="compiling the target's steps", unit="graph", disable=None, leave=False):
-                count = graph_thread_count(step.seq_lens.shape[0], self.graph_runner.saved_thread_count(step),
-                                           lambda step=step: self._time_thread_counts(step))
-                self.graph_runner.set_threads(step, count)
                 self.execute(step)
-            self.graph_runner.compiled.seal()
+            runner.compiled.seal()
+
+    @torch.inference_mode()
+    def _build_graph(self, step: StepInput) -> None:
+        self.graph_runner.build(step)
 
     @torch.inference_mode()
     def _time_thread_counts(self, step: StepInput) -> tuple[int, dict[int, float]]:

@@ -24,7 +24,8 @@ What decides whether a saved graph is used:
 A graph that cannot be built this way (a graph break) says why in the log, and its owner compiles
 it through torch.compile as before. A graph built but not saved says why in a warning. A rank of
 several saves its own graphs: they reach its communicator, which pickles its numbers only (rank,
-world size, and the group id its collectives carry, which the guards check).
+world size, and the group id its collectives carry, which the guards check). A cold start may build
+its missing graphs in helper processes first (compile_helpers.py) and load their files here.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ STEP_SOURCE_PACKAGES = ("warpspec.workers", "warpspec.kernels", "warpspec.spec_d
 
 # Graphs this process compiled whole and loaded (graphs_built); inductor's FX-graph counters see neither.
 _built = {"compiled": 0, "loaded": 0}
+saved_here: list[str] = []  # the files this process saved, in order (a compile helper reports its own)
+# Files that helpers of this process built for its start (compile_helpers.py): their first load here
+# counts as a graph compiled, not loaded.
+built_by_helpers: set[str] = set()
 
 
 def graphs_built() -> tuple[int, int]:
@@ -113,23 +118,26 @@ class StepArtifacts:
         key = "\n".join((torch.__version__, source_digest(), fn_name, self.identity, repr(graph)))
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
-    def load(self, path: Path, args: tuple) -> Callable | None:
-        """The graph saved at path, if it loads and its guards pass for args; else None, logged."""
+    def load(self, path: Path, args: tuple) -> tuple[Callable | None, bool]:
+        """The graph saved at path, if it loads and its guards pass for args, else None, logged; and
+        whether a helper of this process built it for this start (its first load only)."""
         if not path.exists():
-            return None
+            return None, False
         try:
             with path.open("rb") as f:
                 compiled = torch.compiler.load_compiled_function(f)
             if not self.check_guards or compiled.guard_check(*args):
                 compiled.disable_guard_check()
-                _built["loaded"] += 1
+                by_helper = str(path) in built_by_helpers
+                built_by_helpers.discard(str(path))
+                _built["compiled" if by_helper else "loaded"] += 1
                 os.utime(path)  # the build last used: saved_threads
-                return compiled
+                return compiled, by_helper
             reason = f"its guards fail for this model or these inputs ({failed_guard(compiled, args)[:300]})"
         except Exception as error:  # noqa: BLE001 - a file that does not load is rebuilt, whatever the cause
             reason = f"it does not load ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]})"
         logger.info("compiled step %s is not used, %s; compiling it again", path.name, reason)
-        return None
+        return None, False
 
     def compile(self, fn: Callable, args: tuple, inductor_options: dict, path: Path) -> Callable:
         """fn compiled whole for args (sizes marked dynamic stay symbolic), saved at path. Raises what
@@ -141,6 +149,7 @@ class StepArtifacts:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             compiled.save_compiled_function(str(path))
+            saved_here.append(str(path))
         except Exception as error:  # noqa: BLE001 - the graph still runs; only the next start pays again
             logger.warning("compiled step %s could not be saved (%s: %s); the next start compiles it again",
                            path.name, type(error).__name__, (str(error).splitlines() or [''])[0][:200])

@@ -29,7 +29,8 @@ the installed torch and fails, naming it, when an upgrade moves or changes it.
   bool.
 - inductor's CPU instruction-set probe (torch._inductor.cpu_vec_isa: x86_isa_checker,
   supported_vec_isa_list, valid_vec_isa_list; the config switch cpp.vec_isa_ok; and
-  cpp_builder.get_cpp_compiler; inductor's config.patch to set the switch around a load): which
+  cpp_builder.get_cpp_compiler; inductor's config.patch to set the switch around a load, and
+  compile_threads=1 in a compile helper, itself one of a start's parallel builds): which
   sets the CPU lists, which the probe found usable, and the compiler it builds with, so that a host
   probes once (vec_isa.py). torch exposes only the switch, as TORCHINDUCTOR_VEC_ISA_OK for a whole
   process.

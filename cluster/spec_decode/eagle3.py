@@ -41,6 +41,7 @@ did, the dense halves compiled.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Hashable
 
@@ -51,6 +52,7 @@ from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.sample.sampler import exponential_noise, greedy_tokens
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.structured_output.grammar import allowed_next, masked
+from warpspec.workers.compile_helpers import build_in_helpers
 from warpspec.workers.compiled_step import (
     MIN_BLOCKS,
     CountingCompiler,
@@ -350,24 +352,48 @@ class Eagle3Proposer:
         guards on the count it was built with (workers/cpu_threads.graph_thread_count, as the
         target's); then the dense halves a prompt's catch-up runs. The steps write into the first
         blocks, which no request holds yet. Then the step graphs check only the guards that tell
-        them apart (CountingCompiler.seal)."""
+        them apart (CountingCompiler.seal). A cold start first builds the graphs the compile cache
+        lacks several at once, in helper processes (workers/compile_helpers.py), the dense halves'
+        with them (one prompt's catch-up builds both)."""
         if self.compiled_decode is None:
             return
-        progress = tqdm(desc="compiling the draft's steps", unit="graph", disable=None, leave=False)
-        for one in (True, False) if self.several_requests else (True,):
-            for graph, compiled, eager, inputs in self._warm_up_graphs(1 if one else 2):
-                self.thread_counts[graph] = graph_thread_count(
-                    1 if one else 2, compiled.compiled.saved_thread_count(graph),
-                    lambda eager=eager, inputs=inputs: fastest_thread_count(lambda: eager(*inputs)))
-                self._run_compiled(compiled, inputs, graph)
-                progress.update()
-        progress.close()
+        graphs = [entry for one in ((True, False) if self.several_requests else (True,))
+                  for entry in self._warm_up_graphs(1 if one else 2)]
+        for graph, compiled, eager, inputs in graphs:
+            self.thread_counts[graph] = graph_thread_count(
+                1 if graph[1] else 2, compiled.compiled.saved_thread_count(graph),
+                lambda eager=eager, inputs=inputs: fastest_thread_count(lambda: eager(*inputs)))
+        # The longest builds first, so that none starts last: the greedy proposals (k - 1 steps
+        # unrolled), then the catch-ups, each for several requests (dynamic sizes) before one.
+        by_length = sorted(graphs, key=lambda entry: (entry[0][0] != GREEDY_PROPOSAL, entry[0][0] == 1, entry[0][1]))
+        missing = [functools.partial(self._build_graph, compiled.compiled, inputs, graph)
+                   for graph, compiled, _, inputs in by_length if not self._is_saved(compiled.compiled, graph)]
+        if missing:
+            build_in_helpers([*missing, self._warm_up_prompt], "compiling the draft's steps")
+        for graph, compiled, _, inputs in tqdm(graphs, desc="compiling the draft's steps", unit="graph",
+                                               disable=None, leave=False):
+            self._run_compiled(compiled, inputs, graph)
+        self._warm_up_prompt()
+        for compiler in (self.catch_up_compiler, self.decode_compiler, self.greedy_proposal_compiler):
+            compiler.seal()
+
+    @torch.inference_mode()
+    def _warm_up_prompt(self) -> None:
+        """A prompt of two catch-ups, through the dense halves' graphs."""
         target_width = 3 * self.draft.config.target_hidden_size
         prompt = [SequenceStep([0] * 2 * self.catch_up_len, 0, self._warm_up_table(), 2 * self.catch_up_len - 1)]
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
                                       device=self.device))
-        for compiler in (self.catch_up_compiler, self.decode_compiler, self.greedy_proposal_compiler):
-            compiler.seal()
+
+    @torch.inference_mode()
+    def _build_graph(self, compiler: CountingCompiler, inputs: tuple[torch.Tensor, ...],
+                     graph: tuple[int | str, bool]) -> None:
+        with torch_threads(self.thread_counts[graph]):
+            compiler.build(*inputs, graph=graph)
+
+    def _is_saved(self, compiler: CountingCompiler, graph: tuple[int | str, bool]) -> bool:
+        with torch_threads(self.thread_counts[graph]):
+            return compiler.is_saved(graph)
 
     def _warm_up_table(self) -> list[int]:
         """The first blocks, enough for a prompt of two catch-ups: every warm-up request's table."""

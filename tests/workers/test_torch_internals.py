@@ -138,3 +138,13 @@ def test_inductors_instruction_set_probe_and_its_switch():
     with torch_internals.inductor_config_patched({torch_internals.VEC_ISA_SWITCH: True}):
         assert config.cpp.vec_isa_ok is True
     assert config.cpp.vec_isa_ok == before
+
+
+def test_inductors_compile_workers_can_be_turned_off_for_a_while():
+    """A compile helper (compile_helpers.py) builds in its own process, with no pool of its own."""
+    from torch._inductor.async_compile import get_compile_threads
+
+    before = get_compile_threads()
+    with torch_internals.inductor_config_patched({"compile_threads": 1}):
+        assert get_compile_threads() == 1
+    assert get_compile_threads() == before
