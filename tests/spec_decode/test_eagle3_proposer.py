@@ -158,7 +158,8 @@ def test_only_the_draft_graphs_for_one_request_time_their_thread_count(tmp_path,
     monkeypatch.setattr("warpspec.spec_decode.eagle3.fastest_thread_count", first_rows_of)
     # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
     monkeypatch.setattr(CountingCompiler, "saved_thread_count", lambda self, graph: None)
-    # Timing is the subject, not building: the compiled steps are not run.
+    # Timing is the subject, not building: the compiled steps are neither built nor run.
+    monkeypatch.setattr(Eagle3Proposer, "_build_graph", lambda self, compiler, inputs, graph: None)
     monkeypatch.setattr(Eagle3Proposer, "_run_compiled", lambda self, compiled, inputs, graph: None)
     monkeypatch.setattr(Eagle3Proposer, "_run", lambda self, plan, features: None)
     proposer.warm_up()
