@@ -1,16 +1,17 @@
 """A cold start's compiled step graphs built several at once, in helper processes forked from it.
 
 A graph's build (dynamo's trace, AOTAutograd, inductor's code generation and gcc) keeps one core
-busy: the bundled target's 2 graphs took 78 s of a cold start on 2 cores, the bundled pair's 12
-took 265 s, one after another. Saved graphs need no weights, only the model's shapes
-(step_artifacts.py), and a process that builds graphs of a model whose weights were never read
-built files a real engine loaded and ran with the same tokens; two such builds at once on 2 cores
-built 1.78x the graphs per second of one
+busy: one after another, the bundled pair's 12 graphs took 170 s of a cold start on 2 cores (the
+target's 4 110.7 s, the draft's 8 59.4 s), and 89.5 s with one helper, the same tokens
+(benchmarks/results/2026-12-07-compile-helpers-cpu.md). Saved graphs need the model's shapes, not
+its weights (step_artifacts.py): a process that built graphs of a model whose weights were never
+read saved files a real engine loaded and ran with the same tokens
 (benchmarks/results/2026-12-07-graphs-from-unloaded-weights-cpu.md). So a start hands its missing
 graphs out: it forks helpers (the model's memory shared, copy-on-write), and each of them and the
-start itself take the next build from one queue until none is left. A helper saves what it builds
-in the compile cache folder and exits; the start then loads those files as any saved graph, and
-builds itself whatever a helper did not save (a helper that failed costs time, never a graph).
+start itself take the next build from one queue, the longest first, until none is left. A helper
+saves what it builds in the compile cache folder and exits; the start then loads those files as any
+saved graph, and builds itself whatever a helper did not save (a helper that failed costs time,
+never a graph).
 
 Helpers are forked from a new thread. libgomp keeps an OpenMP thread pool per thread that ran a
 parallel region, and a process forked from such a thread hangs in its first parallel region (a
