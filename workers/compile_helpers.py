@@ -11,7 +11,7 @@ graphs out: it forks helpers (the model's memory shared, copy-on-write), and eac
 start itself take the next build from one queue, the longest first, until none is left. A helper
 saves what it builds in the compile cache folder and exits; the start then loads those files as any
 saved graph, and builds itself whatever a helper did not save (a helper that failed costs time,
-never a graph).
+never a graph), or one it stopped (a helper still running long after the start's own builds).
 
 Helpers are forked from a new thread. libgomp keeps an OpenMP thread pool per thread that ran a
 parallel region, and a process forked from such a thread hangs in its first parallel region (a
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 ENV = "WARPSPEC_COMPILE_HELPERS"
 _MAX_BUILDS = 255  # one byte per build in the queue
+# Once the start's own builds are done, how long it waits for its helpers before it stops them and
+# builds what they did not save: this long, or GRACE_BUILDS times its own longest build if longer.
+HELPER_GRACE_S = 120.0
+GRACE_BUILDS = 4
 
 
 def helper_count(num_builds: int) -> int:
@@ -84,21 +89,40 @@ def build_in_helpers(builds: Sequence[Callable[[], object]], desc: str) -> int:
     saved: list[str] = []
     reader = threading.Thread(target=_read_done, args=(done_read, saved, progress), daemon=True)
     reader.start()
+    longest = 0.0
     try:
         while (index := _take(queue_read)) is not None:
+            began = time.perf_counter()
             builds[index]()
+            longest = max(longest, time.perf_counter() - began)
             progress.update()
     finally:
         os.close(queue_read)
+        failed = _wait_for(pids, grace_s=max(HELPER_GRACE_S, GRACE_BUILDS * longest))
         reader.join()
         os.close(done_read)
-        failed = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
         progress.close()
     step_artifacts.built_by_helpers.update(saved)
     logger.info("%d graph builds in %.1f s, %d graphs saved by %d helper processes%s", len(builds),
                 time.perf_counter() - start, len(saved), helpers,
-                f" ({len(failed)} failed: this process builds what they did not save)" if failed else "")
+                f" ({failed} failed or were stopped: this process builds what they did not save)" if failed else "")
     return helpers
+
+
+def _wait_for(pids: list[int], grace_s: float) -> int:
+    """Reap the helpers, killing any still running after grace_s (a helper that hangs must not hang
+    the start: a lock another thread held at the fork stays held in the child); how many failed."""
+    deadline, failed = time.monotonic() + grace_s, 0
+    for pid in pids:
+        while (status := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if status[0] == 0:
+            logger.warning("compile helper %d still running %.0f s after the start's own builds; stopping it",
+                           pid, grace_s)
+            os.kill(pid, signal.SIGKILL)
+            status = os.waitpid(pid, 0)
+        failed += status[1] != 0
+    return failed
 
 
 def _fork_helpers(helpers: int, builds: Sequence[Callable[[], object]], queue_read: int, done_read: int,

@@ -1,19 +1,21 @@
 """A cold start's graphs built in forked helpers (workers/compile_helpers.py): a helper's graph is
 saved, loaded by the start and counted as compiled by it, and runs as the eager step does; a helper
-that fails leaves its graph to the start; a helper computes with OpenMP although its parent did;
-the helper count and its bad values."""
+that fails, or hangs and is stopped, leaves its graph to the start; a helper computes with OpenMP
+although its parent did; the helper count and its bad values."""
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from warpspec.workers import step_artifacts
+from warpspec.workers import compile_helpers, step_artifacts
 from warpspec.workers.compile_helpers import ENV, build_in_helpers, helper_count
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.step_artifacts import StepArtifacts, graphs_built, module_identity
@@ -30,10 +32,13 @@ class Scale(torch.nn.Module):
 
 
 @torch.inference_mode()
-def _build(compiler: CountingCompiler, x: torch.Tensor, graph: str, fail_in_helper_of: int | None = None) -> None:
+def _build(compiler: CountingCompiler, x: torch.Tensor, graph: str, fail_in_helper_of: int | None = None,
+           hang_in_helper_of: int | None = None) -> None:
     """A build as a start hands it out: in inference mode (the helper's thread is a new one)."""
     if fail_in_helper_of is not None and os.getpid() != fail_in_helper_of:
         raise RuntimeError("this helper fails")
+    if hang_in_helper_of is not None and os.getpid() != hang_in_helper_of:
+        time.sleep(600)
     compiler.build(x, graph=graph)
 
 
@@ -67,6 +72,22 @@ def test_a_helper_that_fails_leaves_its_graph_to_the_start(tmp_path, monkeypatch
     monkeypatch.setenv(ENV, "1")
     model, compiler, inputs, builds = _two_graphs(tmp_path, fail_in_helper_of=os.getpid())
     assert build_in_helpers(builds, "test") == 1
+    with torch.inference_mode():
+        for graph, x in inputs.items():
+            torch.testing.assert_close(compiler(x, graph=graph), model.step(x))
+    assert (compiler.num_compiles, compiler.num_loaded) == (2, 0)
+
+
+def test_a_helper_that_hangs_is_stopped_and_its_graph_left_to_the_start(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setattr(compile_helpers, "HELPER_GRACE_S", 1.0)
+    monkeypatch.setattr(compile_helpers, "GRACE_BUILDS", 0)
+    model, compiler, inputs, builds = _two_graphs(tmp_path, hang_in_helper_of=os.getpid())
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="warpspec.workers.compile_helpers"):
+        assert build_in_helpers(builds, "test") == 1
+    assert time.monotonic() - began < 60  # not the helper's 600 s
+    assert "stopping it" in caplog.text
     with torch.inference_mode():
         for graph, x in inputs.items():
             torch.testing.assert_close(compiler(x, graph=graph), model.step(x))
