@@ -1,5 +1,7 @@
 import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,16 @@ os.environ.setdefault("WARPSPEC_ENFORCE_EAGER", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "runs" / "test-inductor"))
 
 from ray_cluster import ray_cluster  # noqa: E402,F401 - a shared session fixture
+
+
+@pytest.fixture
+def short_tmp_dir():
+    """A fresh folder under the system's temp dir, removed after the test: a local Ray cluster keeps
+    Unix sockets under its run folder, and their paths must stay below ~107 bytes (pytest's tmp_path
+    is longer)."""
+    folder = tempfile.mkdtemp(prefix="ws-")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 # `TEST_PROCESSES=2 make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): in one process a cold
 # run kept the 2 cores 36% busy (27 CPU-minutes in 38), its compiles waiting on gcc and its serving

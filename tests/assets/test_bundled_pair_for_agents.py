@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def served():
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def test_json_schema_replies_validate_on_50_prompts_with_the_draft_as_without(served):

@@ -31,14 +31,9 @@ JOIN_AND_GENERATE = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.ray  # a cluster of its own, in a holder process
-def test_llm_joins_the_cluster_named_by_ray_address(tmp_path):
+def test_llm_joins_the_cluster_named_by_ray_address(tmp_path, short_tmp_dir):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    temp_dir = tmp_path / "r"
-    if len(str(temp_dir)) > 50:  # unix socket paths under it must stay short
-        import tempfile
-
-        temp_dir = tempfile.mkdtemp(prefix="ws-ray-addr-")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLUSTER, str(temp_dir)], stdin=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLUSTER, short_tmp_dir], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=env)
     try:
         address = holder.stdout.readline().strip()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -26,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: waiti
 from grpc_stream import Stream  # noqa: E402
 from waiting import wait_for  # noqa: E402
 
-RUN_DIR = Path(__file__).resolve().parents[2] / "runs"
 ENGINE = {"num_workers": 1, "executor": "ray", "max_model_len": 1024, "num_kv_blocks": 400,
           "placement_timeout_s": 5, "warmup": True}
 PROMPT = [5, 6, 7]
@@ -34,9 +34,11 @@ IDLE_TIMEOUT_S = 6  # the autoscaler removes a node idle this long
 RESULT_PREFIX = "scenario result: "  # Ray's own lines share stdout
 
 
-def start_cluster(num_nodes: int, own_compile_caches: bool = False):
-    """own_compile_caches: each worker node keeps compiled steps in a folder of its own (as separate
-    machines' disks would), not in the one folder the processes of this machine share."""
+def start_cluster(num_nodes: int, scratch: Path, own_compile_caches: bool = False):
+    """Ray's session files under scratch (a short path: Unix socket paths under it must stay below
+    ~107 bytes). own_compile_caches: each worker node keeps compiled steps in a folder of its own
+    under scratch (as separate machines' disks would), not in the one folder the processes of this
+    machine share."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -44,29 +46,24 @@ def start_cluster(num_nodes: int, own_compile_caches: bool = False):
 
     set_serving_environment()  # as `warpspec serve` starts a cluster: proxies reach replicas over gRPC
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    # Unix socket paths under the temp dir must stay below ~107 bytes.
-    temp_dir = RUN_DIR / "mn-ray"
-    if len(str(temp_dir)) > 40:
-        temp_dir = Path(tempfile.mkdtemp(prefix="ws-mn-"))
-    temp_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["RAY_TMPDIR"] = str(temp_dir)
+    os.environ["RAY_TMPDIR"] = str(scratch)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    caches = [{"TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(prefix=f"ws-node{i}-inductor-")}
+    caches = [{"TORCHINDUCTOR_CACHE_DIR": str(scratch / f"node{i}-inductor")}
               if own_compile_caches else None for i in range(num_nodes)]
     nodes = [cluster.add_node(num_cpus=2, env_vars=env) for env in caches]
     ray.init(address=cluster.address, log_to_driver=False)
     return cluster, nodes
 
 
-def start_autoscaling_cluster(max_nodes: int):
+def start_autoscaling_cluster(max_nodes: int, scratch: Path):
     """A head (1 CPU) whose autoscaler launches 2-CPU nodes, up to max_nodes, through Ray's fake
     multi-node provider (nodes are raylets the autoscaler starts on this machine) and removes them
-    after 6 s idle. It starts with none: the first replica's gang makes it add one."""
+    after 6 s idle. It starts with none: the first replica's gang makes it add one. Session files
+    under scratch, as start_cluster's."""
     import ray
     from ray.cluster_utils import Cluster
 
-    temp_dir = Path(tempfile.mkdtemp(prefix="ws-as-"))  # the socket paths must stay short
-    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(temp_dir),
+    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(scratch),
                        "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
     from warpspec.serving.serve_cli import free_local_port, set_serving_environment
 
@@ -88,7 +85,7 @@ def start_autoscaling_cluster(max_nodes: int):
                   "ray.head.default": {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0},
                   "cpu2": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 0, "max_workers": max_nodes}},
               "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False, **no_commands}
-    config_path = temp_dir / "autoscaler.json"
+    config_path = scratch / "autoscaler.json"
     config_path.write_text(json.dumps(config))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                             "autoscaling_config": str(config_path),
@@ -359,12 +356,12 @@ def main(scenario: str) -> None:
     # The compile-cache scenario compiles its steps cold: 2 layers (one dense, one MoE) instead of 4
     # halve that, and the scenario asserts what the cache does, not what the layers compute.
     layers = {"num_hidden_layers": 2} if scenario == "compile_cache" else {}
-    checkpoint = str(create_random_checkpoint(Path(tempfile.mkdtemp(prefix="ws-mn-ckpt-")), "tiny", std=0.3,
-                                              **layers))
+    scratch = Path(tempfile.mkdtemp(prefix="ws-mn-"))  # the checkpoint, Ray's session files; removed after
+    checkpoint = str(create_random_checkpoint(scratch / "checkpoint", "tiny", std=0.3, **layers))
     if scenario == "autoscaling":
-        cluster, nodes = start_autoscaling_cluster(max_nodes=2), []
+        cluster, nodes = start_autoscaling_cluster(max_nodes=2, scratch=scratch), []
     else:
-        cluster, nodes = start_cluster(num_nodes=2, own_compile_caches=scenario == "compile_cache")
+        cluster, nodes = start_cluster(num_nodes=2, scratch=scratch, own_compile_caches=scenario == "compile_cache")
     try:
         if scenario == "autoscaling":
             result = autoscaling(checkpoint)
@@ -378,6 +375,7 @@ def main(scenario: str) -> None:
     finally:
         ray.shutdown()  # the cluster's shutdown takes Serve with it
         cluster.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 if __name__ == "__main__":

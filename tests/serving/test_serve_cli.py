@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import grpc
@@ -23,9 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 
-def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
-    grpc_port, http_port = free_local_port(), free_local_port()
-    run_dir = tempfile.mkdtemp(prefix="ws-cli-")  # short: Ray's socket paths live under it
+def test_warpspec_serve_runs_until_sigterm(serving_checkpoint, short_tmp_dir):
+    grpc_port, http_port, run_dir = free_local_port(), free_local_port(), short_tmp_dir
     key = "sk-cli-test"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "WARPSPEC_API_KEY": key}
     env.pop("RAY_ADDRESS", None)
@@ -84,11 +82,11 @@ def test_warpspec_serve_runs_until_sigterm(serving_checkpoint):
     assert "Connecting to existing Serve app" not in "".join(startup) + rest and "graceful_shutdown failed" not in rest
 
 
-def test_warpspec_serve_refuses_a_replica_no_node_can_hold(serving_checkpoint):
+def test_warpspec_serve_refuses_a_replica_no_node_can_hold(serving_checkpoint, short_tmp_dir):
     """A replica asking 64 CPUs for itself and one per each of its 4 workers: no node of the local
     cluster (max(8, this machine's cores) logical CPUs) holds the gang. One line naming the node,
     exit status 1."""
-    run_dir = tempfile.mkdtemp(prefix="ws-cli-")  # short: Ray's socket paths live under it
+    run_dir = short_tmp_dir
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run([sys.executable, "-m", "warpspec.cli.main", "serve", "--model", str(serving_checkpoint),

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,7 @@ def test_the_folder_is_the_option_then_the_environment_then_the_run_folder(tmp_p
 
 def test_a_folder_that_cannot_be_written_is_named_and_replaced_by_a_private_one(tmp_path, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the private folder is made, and removed, here
     (tmp_path / "a-file").write_text("")
     blocked = tmp_path / "a-file" / "cache"  # under a regular file: no one can create it, root included
     with pytest.warns(UserWarning, match=r"compile_cache '.*a-file/cache' is not writable"):
