@@ -216,7 +216,8 @@ def node_loss(cluster, nodes, checkpoint: str) -> tuple[dict, dict]:
         added_at = time.monotonic()
         wait_for(lambda: sum(n.get("ServeReplica", 0) for n in actors_by_node().values()) == 2, 120,
                  "the lost replica restarted")
-        wait_for(lambda: _serves_on_both(stub, expected), 120, "both replicas serve the same tokens")
+        # Greedy and deterministic: the first tokens of the streams' expected ones.
+        wait_for(lambda: _serves_on_both(stub, expected[:32]), 120, "both replicas serve the same tokens")
         recovered_s = time.monotonic() - added_at
         # Serve removes the lost replica's placement group after its restart is under way: the GCS
         # listed 3 groups for a moment right after recovery (seen once, a restart that loaded its
