@@ -21,6 +21,7 @@ from tqdm import tqdm
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.benchmarks.report import write_report
 from warpspec.benchmarks.spec import measure
+from warpspec.config.engine import SPECULATIVE_POLICIES
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
@@ -29,10 +30,12 @@ MODES = ("none", "rejection", "coupled")
 CROWD_ENGINE = dict(num_kv_blocks=40, max_num_batched_tokens=48)
 
 
-def _options(mode: str, draft: str, k: int) -> dict:
+def _options(mode: str, args: argparse.Namespace) -> dict:
+    """The engine options of a verification mode: the command line's draft, k and policy."""
     if mode == "none":
         return {}
-    options = dict(draft=draft, num_speculative_tokens=k, compile_draft=False)
+    options = dict(draft=args.draft, num_speculative_tokens=args.num_speculative_tokens, compile_draft=False,
+                   speculative_policy=args.speculative_policy)
     return options | {"coupled_verification": True} if mode == "coupled" else options
 
 
@@ -73,17 +76,17 @@ async def _run_crowd(engine: AsyncLLM, requests) -> dict[str, list[int]]:
     return {rid: tokens for (rid, *_), tokens in zip(requests, outs, strict=True)}
 
 
-def measure_crowd(target: str, draft: str, k: int, modes: list[str], args) -> list[dict]:
+def measure_crowd(target: str, modes: list[str], args: argparse.Namespace) -> list[dict]:
     requests = crowd(args.crowd_requests, args.spread_s, args.new_tokens)
     alone: dict[str, dict[str, list[int]]] = {}
     rows = []
     for mode in modes:
         reference = "none" if mode == "coupled" else mode  # coupled promises plain decoding's tokens
         if reference not in alone:
-            with LLM(target, dtype="float32", enable_prefix_caching=False, **_options(reference, draft, k)) as llm:
+            with LLM(target, dtype="float32", enable_prefix_caching=False, **_options(reference, args)) as llm:
                 alone[reference] = {rid: llm.generate([prompt], params)[0].token_ids
                                     for rid, prompt, params, _ in tqdm(requests, desc=f"alone ({reference})")}
-        engine = AsyncLLM.from_options(target, dtype="float32", **CROWD_ENGINE, **_options(mode, draft, k))
+        engine = AsyncLLM.from_options(target, dtype="float32", **CROWD_ENGINE, **_options(mode, args))
         got = asyncio.run(_run_crowd(engine, requests))
         differ = [rid for rid, *_ in requests if got[rid] != alone[reference][rid]]
         rows.append({"mode": mode, "compared_with": f"alone, {'no draft' if reference == 'none' else reference}",
@@ -91,13 +94,13 @@ def measure_crowd(target: str, draft: str, k: int, modes: list[str], args) -> li
     return rows
 
 
-def measure_prefix(target: str, draft: str, k: int, args) -> list[dict]:
+def measure_prefix(target: str, args: argparse.Namespace) -> list[dict]:
     prompts, opening = held_out_prompts(), shared_opening()
     rows = []
     for temperature in (0.0, 0.7):
         tokens = {}
         for caching in (False, True):
-            with LLM(target, dtype="float32", enable_prefix_caching=caching, **_options("rejection", draft, k)) as llm:
+            with LLM(target, dtype="float32", enable_prefix_caching=caching, **_options("rejection", args)) as llm:
                 outs = [llm.generate([opening + own[1:]], SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                                                          temperature=temperature, seed=i))[0]
                         for i, own in enumerate(prompts[: args.prefix_requests])]
@@ -111,12 +114,12 @@ def measure_prefix(target: str, draft: str, k: int, args) -> list[dict]:
     return rows
 
 
-def measure_coupling(target: str, draft: str, k: int, args) -> list[dict]:
+def measure_coupling(target: str, args: argparse.Namespace) -> list[dict]:
     prompts = held_out_prompts()[: args.batch]
     rows = []
     with LLM(target, dtype="float32") as plain, \
-            LLM(target, dtype="float32", **_options("rejection", draft, k)) as rejection, \
-            LLM(target, dtype="float32", **_options("coupled", draft, k)) as coupled:
+            LLM(target, dtype="float32", **_options("rejection", args)) as rejection, \
+            LLM(target, dtype="float32", **_options("coupled", args)) as coupled:
         for temperature in [float(t) for t in args.temperatures.split(",")]:
             params = [SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i, ignore_eos=True)
                       for i in range(len(prompts))]
@@ -160,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=str(BUNDLED_TARGET))
     parser.add_argument("--draft", default=str(BUNDLED_DRAFT))
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--speculative-policy", choices=SPECULATIVE_POLICIES, default="adaptive",
+                        help="how each step's number of drafts is chosen (the engine's option; fixed: k every step, "
+                             "and no step timing at start-up)")
     parser.add_argument("--sections", default="crowd,prefix,coupling")
     parser.add_argument("--modes", default=",".join(MODES), help="verification modes of the crowd section")
     parser.add_argument("--crowd-requests", type=int, default=40)
@@ -174,12 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     sections, k = args.sections.split(","), args.num_speculative_tokens
     results: dict[str, list[dict]] = {}
     if "crowd" in sections:
-        results["crowd"] = measure_crowd(args.target, args.draft, k, args.modes.split(","), args)
+        results["crowd"] = measure_crowd(args.target, args.modes.split(","), args)
     if "prefix" in sections:
-        results["prefix"] = measure_prefix(args.target, args.draft, k, args)
+        results["prefix"] = measure_prefix(args.target, args)
     if "coupling" in sections:
-        results["coupling"] = measure_coupling(args.target, args.draft, k, args)
+        results["coupling"] = measure_coupling(args.target, args)
     table = tables(results)
-    print(f"target {args.target}, draft {args.draft}, k={k}, float32, {args.new_tokens} new tokens\n\n{table}")
+    print(f"target {args.target}, draft {args.draft}, k={k} ({args.speculative_policy}), float32, "
+          f"{args.new_tokens} new tokens\n\n{table}")
     write_report(args.run_dir, "seeds", results, table)
     return 0
