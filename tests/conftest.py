@@ -20,6 +20,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Compiling each engine's steps would cost more than the few tokens most tests generate; the tests
 # of compiled steps ask for them (enforce_eager=False).
 os.environ.setdefault("WARPSPEC_ENFORCE_EAGER", "1")
+# An engine writes its whole KV cache once at start (zeroed), 1 GiB per rank by default (~0.3 s here),
+# and the draft's beside it: 55 engines of the core, entrypoints, structured_output, cli and sample
+# tests spent 10.0 s of 122 in it. The tests' models and prompts are small: 128 MiB holds more tokens
+# than any of them asks (the bundled target's 43k, the tiny checkpoints' 262k). Tests of the cache's
+# size name their own.
+os.environ.setdefault("WARPSPEC_KV_CACHE_MEMORY_GIB", "0.125")
 # One inductor cache for every compiled step of the session (and of later runs here): the tests
 # compile the same small models' steps in many engines, each with a run folder of its own, and a cold
 # cache builds every kernel with the C++ compiler again. The graphs counted (CountingCompiler) stay the

@@ -4,12 +4,33 @@ owns is the engine's bookkeeping (its block tables)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
 
 import torch
 
 from warpspec.workers.kv_groups import kv_bytes_per_token_layer, kv_group_layout
 from warpspec.workers.model_config import ModelConfig
+
+DEFAULT_MEMORY_GIB = 1.0
+MEMORY_ENV = "WARPSPEC_KV_CACHE_MEMORY_GIB"
+
+
+def default_memory_gib() -> float:
+    """DEFAULT_MEMORY_GIB, or the GiB WARPSPEC_KV_CACHE_MEMORY_GIB names: a default for programs that
+    build many short-lived engines (the test suite), since an engine writes its whole cache once at
+    start (zeroed: a CPU took ~0.3 s a GiB)."""
+    raw = os.environ.get(MEMORY_ENV)
+    if raw is None:
+        return DEFAULT_MEMORY_GIB
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(f"{MEMORY_ENV} must be a positive number of GiB, got {raw!r}")
+    return gib
 
 
 @dataclass
@@ -19,7 +40,7 @@ class CacheConfig:
     # is block_size tokens of every layer; a hybrid cache (kv_groups.py) splits each into one page
     # per KV group, so the same memory holds num_blocks x groups of its blocks.
     num_blocks: int | None = None
-    memory_gib: float = 1.0
+    memory_gib: float = field(default_factory=default_memory_gib)
     # Chunked-attention layers keep only their chunk's KV (kv_groups.py), for checkpoints that have them.
     hybrid: bool = True
 

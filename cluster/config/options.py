@@ -28,7 +28,7 @@ from warpspec.config.engine import (
     SpeculativeConfig,
 )
 from warpspec.workers.cuda_graphs import CudaGraphConfig
-from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.kv_cache import DEFAULT_MEMORY_GIB, CacheConfig
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("num_kv_blocks", "cache.num_blocks", int, None,
                  "KV blocks per worker, each block_size tokens of every layer (default: as many as "
                  "kv_cache_memory_gib holds; a hybrid cache holds one block per KV group in the memory of each)"),
-    EngineOption("kv_cache_memory_gib", "cache.memory_gib", float, CacheConfig.memory_gib, "KV cache per worker, GiB"),
+    EngineOption("kv_cache_memory_gib", "cache.memory_gib", float, DEFAULT_MEMORY_GIB,
+                 "KV cache per worker, GiB (WARPSPEC_KV_CACHE_MEMORY_GIB sets the default)"),
     EngineOption("hybrid_kv_cache", "cache.hybrid", bool, CacheConfig.hybrid,
                  "chunked-attention layers (Llama 4's RoPE layers) keep only their chunk's KV"),
     # Scheduler.
