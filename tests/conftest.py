@@ -45,6 +45,7 @@ def short_tmp_dir():
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
+
 # `TEST_PROCESSES=2 make test` runs the suite in two processes (pytest-xdist, --dist loadgroup): in one process a cold
 # run kept the 2 cores 36% busy (27 CPU-minutes in 38), its compiles waiting on gcc and its serving
 # tests on Ray. Every test that starts or joins Ray runs in one of them, one at a time, as the whole suite did
