@@ -10,6 +10,7 @@ Which replica served a request is read from the `warpspec-replica` trailing meta
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -93,7 +94,8 @@ def run_autoscale_check(model_dir: str | Path, concurrency: int = 8, max_tokens:
     from warpspec.executor.ray_env import start_local_ray
     from warpspec.serving.serve_cli import free_local_port, start_serving
 
-    start_local_ray(tempfile.mkdtemp(prefix="ws-scale-"), num_cpus=4)
+    scratch = tempfile.mkdtemp(prefix="ws-scale-")  # Ray's session files, removed after
+    start_local_ray(scratch, num_cpus=4)
     load = None
     try:
         grpc_port = free_local_port()
@@ -121,3 +123,4 @@ def run_autoscale_check(model_dir: str | Path, concurrency: int = 8, max_tokens:
             load.close()
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -24,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -159,7 +160,9 @@ server.serve_forever()
 
 
 def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, stream_gap_ms: float = 0.0,
-                 run_dir: str = "runs") -> str:
+                 run_dir: str = "runs") -> tuple[str, str | None]:
+    """(the gRPC target, the system temp folder of Ray's session files to remove after, or None when
+    they stay in the run folder)."""
 
     from warpspec.serving.serve_cli import free_local_port, set_serving_environment, start_serving
 
@@ -178,7 +181,7 @@ def _start_serve(model_dir: Path, engine_args: dict, stream_interval: int = 1, s
                    "stream_gap_ms": stream_gap_ms,
                    **engine_args}, grpc_port=port,
                   http_port=http_port, host="127.0.0.1")
-    return f"127.0.0.1:{port}"
+    return f"127.0.0.1:{port}", None if parent is not None else temp_dir
 
 
 def _table(rows: list[dict]) -> str:
@@ -281,12 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    target = _start_serve(model_dir, engine_args, args.stream_interval, args.stream_gap_ms, args.run_dir)
+    target, scratch = _start_serve(model_dir, engine_args, args.stream_interval, args.stream_gap_ms, args.run_dir)
     try:
         runs = asyncio.run(_compare(model_dir, engine_args, target, vocab, args))
     finally:
         serve.shutdown()
         ray.shutdown()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     rows = [_median_row(name, r) for name, r in runs.items()]
     local, served = rows[:2]
