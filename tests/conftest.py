@@ -33,7 +33,7 @@ os.environ.setdefault("WARPSPEC_KV_CACHE_MEMORY_GIB", "0.125")
 # The tests of the cache folder itself set or clear this variable.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parent.parent / "runs" / "test-inductor"))
 
-from ray_cluster import ray_cluster  # noqa: E402,F401 - a shared session fixture
+from helpers.ray_cluster import ray_cluster  # noqa: E402,F401 - a shared session fixture
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def test_a_clean_install_imports_every_module(tmp_path):
     shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info",
                                                                 "__pycache__", ".pytest_cache", ".ruff_cache"))
     subprocess.run([*pip, str(source)], check=True, timeout=900)
-    scan = subprocess.run([str(venv / "bin" / "python"), str(REPO / "tests" / "import_every_module.py")],
+    scan = subprocess.run([str(venv / "bin" / "python"), str(REPO / "tests" / "helpers" / "import_every_module.py")],
                           capture_output=True, text=True, check=True, cwd=tmp_path, timeout=300)
     report = json.loads(scan.stdout.strip().splitlines()[-1])
     assert report["modules"] > 100

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hf_checkpoints import load_reference, reference_greedy
+from helpers.hf_checkpoints import load_reference, reference_greedy
 from warpspec import LLM, SamplingParams
 from warpspec.assets import ASSETS, BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 

@@ -18,8 +18,8 @@ import jsonschema
 import openai
 import pytest
 import requests
-from agent_loop import run_two_tool_loop
 
+from helpers.agent_loop import run_two_tool_loop
 from warpspec import LLM, SamplingParams
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_texts
 from warpspec.sampling_params import StructuredOutputs

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
+from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec.benchmarks import compare
 
 

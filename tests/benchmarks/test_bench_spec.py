@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from eagle3_checkpoints import make_eagle3_checkpoint
 
+from helpers.eagle3_checkpoints import make_eagle3_checkpoint
 from warpspec.benchmarks import spec
 from warpspec.training.random_checkpoint import create_random_checkpoint
 

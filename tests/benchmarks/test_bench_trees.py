@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
+from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.benchmarks import trees
 from warpspec.benchmarks.trees import DraftTrees, Node, TreeShape

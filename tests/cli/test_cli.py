@@ -76,7 +76,7 @@ def test_errors_are_one_line_without_a_traceback(checkpoint, args, message):
 
 
 def test_generate_on_a_transformers_saved_checkpoint(checkpoint, tmp_path):
-    from hf_checkpoints import load_reference, make_text_checkpoint, reference_greedy
+    from helpers.hf_checkpoints import load_reference, make_text_checkpoint, reference_greedy
 
     hf_dir = make_text_checkpoint(tmp_path / "hf", vocab_size=512)
     shutil.copy(checkpoint / "tokenizer.json", hf_dir / "tokenizer.json")

@@ -8,9 +8,9 @@ import threading
 import time
 
 import pytest
-from waiting import free_cpus, wait_for_cpus
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.hf_checkpoints import make_text_checkpoint
+from helpers.waiting import free_cpus, wait_for_cpus
 from warpspec import LLM, SamplingParams
 from warpspec.errors import WorkerDiedError
 

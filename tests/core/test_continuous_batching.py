@@ -7,9 +7,9 @@ import dataclasses
 import random
 
 import pytest
-from staggered import run_staggered
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.hf_checkpoints import make_text_checkpoint
+from helpers.staggered import run_staggered
 from warpspec import LLM, SamplingParams
 
 

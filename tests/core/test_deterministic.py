@@ -10,10 +10,10 @@ import asyncio
 import random
 
 import pytest
-from eagle3_checkpoints import make_speculation_draft
-from staggered import run_staggered
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.eagle3_checkpoints import make_speculation_draft
+from helpers.hf_checkpoints import make_text_checkpoint
+from helpers.staggered import run_staggered
 from warpspec import LLM, SamplingParams
 from warpspec.entrypoints.async_llm import AsyncLLM
 

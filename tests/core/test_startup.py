@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
+from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec import LLM, SamplingParams
 from warpspec.core.engine_core import WARM_UP_PROMPT_TOKENS
 from warpspec.core.startup import StartupPhase, StartupTimer, startup_table

@@ -11,8 +11,8 @@ import math
 import shutil
 
 import pytest
-from eagle3_checkpoints import make_eagle3_checkpoint
 
+from helpers.eagle3_checkpoints import make_eagle3_checkpoint
 from warpspec import InvalidRequestError, SamplingParams
 from warpspec.entrypoints.llm import LLM
 from warpspec.training.random_checkpoint import create_random_checkpoint

@@ -49,9 +49,8 @@ def test_llm_joins_the_cluster_named_by_ray_address(tmp_path, short_tmp_dir):
 
 
 def test_start_local_ray_keeps_the_sessions_files_in_the_folder_it_is_given(ray_cluster):
-    """ray.init(_temp_dir=...): the shared cluster was started by start_local_ray (ray_cluster.py)."""
-    from ray_cluster import SESSION_FOLDER
-
+    """ray.init(_temp_dir=...): the shared cluster was started by start_local_ray (helpers/ray_cluster.py)."""
+    from helpers.ray_cluster import SESSION_FOLDER
     from warpspec.executor import ray_env
 
     latest = SESSION_FOLDER[-1] / "session_latest"
@@ -60,8 +59,7 @@ def test_start_local_ray_keeps_the_sessions_files_in_the_folder_it_is_given(ray_
 
 
 def test_live_actors_lists_a_live_actor_with_its_class_and_node_until_it_dies(ray_cluster):
-    from waiting import wait_for
-
+    from helpers.waiting import wait_for
     from warpspec.executor.ray_env import live_actors
 
     @ray_cluster.remote(num_cpus=0)

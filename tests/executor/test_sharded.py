@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from waiting import free_cpus, wait_for_cpus
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.hf_checkpoints import make_text_checkpoint
+from helpers.waiting import free_cpus, wait_for_cpus
 from warpspec import LLM, SamplingParams
 from warpspec.errors import PlacementError
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from grafana_dashboard import DASHBOARD, dashboard_metrics
-from private_cluster import run_on_private_cluster
 from ray.serve.schema import HTTPOptionsSchema, ServeApplicationSchema, ServeDeploySchema, gRPCOptionsSchema
 
+from helpers.grafana_dashboard import DASHBOARD, dashboard_metrics
+from helpers.private_cluster import run_on_private_cluster
 from warpspec.serving.grpc_service import LIVENESS_SERVICE_NAME, READINESS_SERVICE_NAMES
 from warpspec.serving.serve_cli import free_local_port
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from window_tables import window_of
 
+from helpers.window_tables import window_of
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention, write_kv_cache
 
 

@@ -16,8 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from window_tables import window_of  # noqa: E402
-
+from helpers.window_tables import window_of  # noqa: E402
 from warpspec.kernels.attention import PagedAttentionMetadata, paged_attention_reference, write_kv_cache  # noqa: E402
 from warpspec.kernels.fp8 import quantize_fp8_columns  # noqa: E402
 from warpspec.kernels.moe import moe_experts_reference, route_topk_sigmoid_reference  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from hf_checkpoints import load_reference, make_text_checkpoint, reference_greedy  # noqa: E402
+from helpers.hf_checkpoints import load_reference, make_text_checkpoint, reference_greedy  # noqa: E402
 from warpspec import LLM, SamplingParams  # noqa: E402
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: waiting.py
-from grpc_stream import Stream  # noqa: E402
-from waiting import wait_for  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: its helpers package
+from helpers.grpc_stream import Stream  # noqa: E402
+from helpers.waiting import wait_for  # noqa: E402
 
 ENGINE = {"num_workers": 1, "executor": "ray", "max_model_len": 1024, "num_kv_blocks": 400,
           "placement_timeout_s": 5, "warmup": True}

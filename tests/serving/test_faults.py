@@ -20,9 +20,9 @@ import psutil
 import pytest
 from conftest import ENGINE_ARGS
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_stream import Stream
-from waiting import wait_for, wait_for_async
 
+from helpers.grpc_stream import Stream
+from helpers.waiting import wait_for, wait_for_async
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import ReplicaDrainingError
 from warpspec.protos.warpspec.v1 import generation_pb2 as pb

@@ -11,8 +11,8 @@ import json
 import random
 
 import pytest
-from waiting import wait_for_async
 
+from helpers.waiting import wait_for_async
 from warpspec.benchmarks.load import (
     MIX,
     LoadSpec,

@@ -6,8 +6,8 @@ import time
 import urllib.request
 
 import pytest
-from grafana_dashboard import dashboard_metrics
 
+from helpers.grafana_dashboard import dashboard_metrics
 from warpspec.cli.client import GenerationClient
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import json
 import jsonschema
 import openai
 import pytest
-from agent_loop import run_two_tool_loop
 
+from helpers.agent_loop import run_two_tool_loop
 from warpspec import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from private_cluster import run_on_private_cluster
 from starlette.testclient import TestClient
 
+from helpers.private_cluster import run_on_private_cluster
 from warpspec import tracing
 from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.errors import InvalidRequestError

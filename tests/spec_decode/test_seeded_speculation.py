@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
-from eagle3_checkpoints import make_speculation_draft, make_speculation_target
-from staggered import run_staggered
 
+from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
+from helpers.staggered import run_staggered
 from warpspec import LLM, SamplingParams
 from warpspec.entrypoints.async_llm import AsyncLLM
 

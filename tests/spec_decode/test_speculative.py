@@ -10,8 +10,8 @@ import weakref
 
 import pytest
 import torch
-from eagle3_checkpoints import make_eagle3_checkpoint, make_speculation_draft, make_speculation_target
 
+from helpers.eagle3_checkpoints import make_eagle3_checkpoint, make_speculation_draft, make_speculation_target
 from warpspec import LLM, SamplingParams
 from warpspec.client.ray_client import RayCoreClient
 from warpspec.errors import InvalidRequestError

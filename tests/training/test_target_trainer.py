@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_checkpoints import load_reference, reference_logprobs
+from helpers.hf_checkpoints import load_reference, reference_logprobs
 from warpspec.training.causal_lm import causal_lm_logits
 from warpspec.training.corpus import clean, read_documents, split_documents
 from warpspec.training.target_trainer import TargetTrainConfig, TargetTrainer

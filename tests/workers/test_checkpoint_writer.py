@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_checkpoints import load_reference, reference_logprobs
+from helpers.hf_checkpoints import load_reference, reference_logprobs
 from warpspec import LLM, SamplingParams
 from warpspec.training.random_checkpoint import create_random_checkpoint
 

@@ -14,9 +14,9 @@ import weakref
 
 import pytest
 import torch
-from steps import build_step
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.hf_checkpoints import make_text_checkpoint
+from helpers.steps import build_step
 from warpspec import LLM, SamplingParams
 from warpspec.workers.compiled_step import CompiledStepRunner, CountingCompiler
 from warpspec.workers.cuda_graphs import CudaGraphConfig

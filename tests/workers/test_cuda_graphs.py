@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from steps import build_step
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.hf_checkpoints import make_text_checkpoint
+from helpers.steps import build_step
 from warpspec.workers.cuda_graphs import (
     CudaGraphConfig,
     CudaGraphRunner,
@@ -38,7 +38,7 @@ def mid_block_checkpoint(tmp_path_factory):
 
 def prefill_then(runner: ModelRunner, prompts, tables, new_tokens) -> StepInput:
     """Prefill each prompt, then return the step that runs `new_tokens` more tokens per sequence
-    (each chunked group of a hybrid cache on blocks of its own: tests/steps.py)."""
+    (each chunked group of a hybrid cache on blocks of its own: tests/helpers/steps.py)."""
     runner.execute(build_step(runner, [SequenceStep(p, 0, t, 0) for p, t in zip(prompts, tables, strict=True)]))
     return build_step(runner, [SequenceStep(n, len(p), t, 0) for p, t, n in zip(prompts, tables, new_tokens,
                                                                                   strict=True)])
@@ -77,7 +77,7 @@ def test_padding_sequences_leave_real_outputs_and_cache_unchanged(mid_block_chec
     cache = CacheConfig(block_size=BLOCK, num_blocks=16, hybrid=hybrid)
     runners = [ModelRunner(mid_block_checkpoint, "float32", cache) for _ in range(2)]
     assert runners[0].kv_layout.is_hybrid == hybrid
-    spare = runners[0].num_blocks - 1  # past every group's blocks (tests/steps.py)
+    spare = runners[0].num_blocks - 1  # past every group's blocks (tests/helpers/steps.py)
     steps = [prefill_then(r, prompts, tables, new_tokens) for r in runners]
     plain = runners[0].execute(steps[0])
     window_blocks = max_window_blocks(6, query_len, BLOCK, max_blocks=8) if hybrid else None

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
-from eagle3_checkpoints import make_speculation_draft, make_speculation_target
 
+from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.eagle3 import Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest

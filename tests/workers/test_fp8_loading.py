@@ -1,5 +1,5 @@
 """FP8 weights: online quantization of a full-precision checkpoint, and loading the fbgemm_fp8 layout
-Meta published for Llama 4 (generated here by tests/fp8_checkpoints.py from the same checkpoint).
+Meta published for Llama 4 (generated here by tests/helpers/fp8_checkpoints.py from the same checkpoint).
 
 Both paths quantize the same tensors with the same per-output-channel rule, so their logits must be
 identical; and both must stay close to the unquantized model's."""
@@ -10,10 +10,10 @@ import json
 
 import pytest
 import torch
-from fp8_checkpoints import make_fbgemm_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
-from hf_checkpoints import make_text_checkpoint
+from helpers.fp8_checkpoints import make_fbgemm_fp8_checkpoint
+from helpers.hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
 from warpspec.cli.main import main
 from warpspec.kernels.fp8 import FP8_DTYPE

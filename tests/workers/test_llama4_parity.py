@@ -10,15 +10,15 @@ import json
 
 import pytest
 import torch
-from steps import build_step
 
-from hf_checkpoints import (
+from helpers.hf_checkpoints import (
     load_reference,
     make_multimodal_checkpoint,
     make_text_checkpoint,
     reference_greedy,
     reference_logprobs,
 )
+from helpers.steps import build_step
 from warpspec import LLM, SamplingParams
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner

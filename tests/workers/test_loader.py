@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from waiting import wait_for
 
+from helpers.waiting import wait_for
 from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.loader import READ_AHEAD_BLOCK, ReadAhead, advise_huge_pages, load_model

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from steps import build_step
 
-from hf_checkpoints import load_reference, make_text_checkpoint
+from helpers.hf_checkpoints import load_reference, make_text_checkpoint
+from helpers.steps import build_step
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from rank_processes import rank_partial, run_two_ranks
 
+from helpers.rank_processes import rank_partial, run_two_ranks
 from warpspec.workers.comm import CollectiveError, CommInit
 from warpspec.workers.communicators import make_communicator
 from warpspec.workers.shm_comm import shared_memory_available

@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from rank_processes import rank_partial, run_two_ranks
 
+from helpers.rank_processes import rank_partial, run_two_ranks
 from warpspec.workers.comm import CommInit
 from warpspec.workers.communicators import make_communicator
 from warpspec.workers.compiled_step import CountingCompiler

@@ -56,7 +56,7 @@ def make_eagle3_checkpoint(path: Path, hidden: int, vocab: int, draft_vocab: int
 def make_speculation_target(path: Path) -> Path:
     """The target the speculative-decoding tests draft for: 4 layers, chunked attention (0-2) and
     NoPE (3) both exercised, every second layer MoE; the draft reads the stream entering 1, 2 and 3."""
-    from hf_checkpoints import make_text_checkpoint
+    from helpers.hf_checkpoints import make_text_checkpoint
 
     return make_text_checkpoint(path, num_hidden_layers=4, attention_chunk_size=8, floor_scale=4,
                                 interleave_moe_layer_step=2)
