@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-DASHBOARD = Path(__file__).parents[1] / "k8s" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "grafana-dashboard.json"
 
 
 def dashboard_metrics() -> set[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-RUN_DIR = Path(__file__).resolve().parent.parent / "runs"
+RUN_DIR = Path(__file__).resolve().parents[2] / "runs"
 SESSION_FOLDER: list[Path] = []  # the folder the shared cluster was started in
 
 
