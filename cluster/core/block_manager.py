@@ -7,7 +7,8 @@ least recently freed first.
 
 With an EAGLE-3 draft the block also holds the draft's KV, whose entry at the block's last position
 pairs it with the token after the block (spec_decode/eagle3.py). Such a block is cached under its hash
-and that next token (key_by_next_token), so it serves only requests that continue it the same way.
+and that next token (key_by_next_token), so it serves only requests that continue it the same way,
+and only once the draft has read it: the scheduler passes Sequence.num_shareable as what is computed.
 
 A hybrid KV cache (workers/kv_groups.py) gives each sequence one table per KV group over the one
 pool: `block_tables` for the full-attention group (the draft's KV follows it) and `window_tables`

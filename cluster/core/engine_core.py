@@ -265,6 +265,8 @@ class EngineCore:
                        arrival_time=request.arrival_here())
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # nothing comes before position 0 to predict it
+        if self.proposer is not None:
+            seq.num_drafted = 0
         self.requests[request.request_id] = seq
         if params.structured_output is not None:
             self.compiling[request.request_id] = seq, self.validator.grammars.submit(params.structured_output)
@@ -417,17 +419,18 @@ class EngineCore:
             if logprobs is not None:
                 # Only the tokens appended: an eos among the accepted drafts drops those after it.
                 seq.new_logprobs.extend(logprobs[:num_appended])
-        self.scheduler.update_after_step(sched, num_rejected)
-        for seq in finished:
-            self.scheduler.remove(seq)
-            del self.requests[seq.request_id]
-            self._release(seq.request_id)
         draft_s = 0.0
         if self.proposer is not None:
             draft_start = time.perf_counter()
             self._propose(sched.scheduled, [len(p.token_ids) for p in plan], output.aux_hidden, num_rejected)
             draft_s = time.perf_counter() - draft_start
             self.spec_stats.draft_time_s += draft_s
+        # After the draft: a block enters the prefix cache only with the draft's KV written too.
+        self.scheduler.update_after_step(sched, num_rejected)
+        for seq in finished:
+            self.scheduler.remove(seq)
+            del self.requests[seq.request_id]
+            self._release(seq.request_id)
         for item, (tokens, _) in zip(sched.scheduled, emitted, strict=True):
             if tokens is not None:
                 outputs.append(item.seq.take_delta(len(item.draft_token_ids)))
@@ -557,15 +560,16 @@ class EngineCore:
         for i, num_drafts in zip(decoding, self.draft_lengths.choose(wants), strict=True):
             requests[i].num_drafts = num_drafts
         requests, live, aux_hidden = self._with_backlogs(requests, live, aux_hidden)
+        if self.released:  # before the proposals: a request id may come back once it has left
+            self.proposer.release(self.released)
+            self.released = []
         start = time.perf_counter()
         proposals = self.proposer.propose(requests, aux_hidden)
         self._observe_draft_cost(requests, live, time.perf_counter() - start)
-        for item, drafts in zip(live, proposals, strict=True):
+        for r, item, drafts in zip(requests, live, proposals, strict=True):
+            item.seq.num_drafted = r.first_position + r.num_positions
             if item.samples:
                 item.seq.draft_token_ids, item.seq.draft_probs = drafts.token_ids, drafts.probs
-        if self.released:
-            self.proposer.release(self.released)
-            self.released = []
 
     def _observe_draft_cost(self, requests: list[DraftRequest], live: list[ScheduledSequence], seconds: float) -> None:
         """A proposal for decoding requests alone updates the cost model: k drafts each after a catch-up
@@ -575,6 +579,8 @@ class EngineCore:
         if (not self.draft_lengths.adaptive or not requests or not all(item.samples for item in live)
                 or len({r.num_drafts for r in requests}) > 1):
             return
+        if any(r.first_position < len(item.seq.prompt_token_ids) for r, item in zip(requests, live, strict=True)):
+            return  # a prompt's last chunk, read at once
         num_drafts, positions = requests[0].num_drafts, [r.num_positions for r in requests]
         if num_drafts and max(positions) <= self.draft_lengths.max_drafts + 1:
             self.step_costs.observe_draft(len(requests), num_drafts, seconds)
@@ -600,7 +606,9 @@ class EngineCore:
             seq = item.seq
             if seq.draft_backlog and seq.draft_backlog_end != r.first_position:
                 seq.draft_backlog = []  # recomputed after a preemption: this catch-up covers it again
-            defer = item.samples and r.num_drafts == 0 and seq.draft_backlog_len + r.num_positions < DRAFT_BACKLOG
+            # A prompt is read at once: the prefix cache shares its blocks only with the draft's KV in them.
+            defer = (item.samples and r.num_drafts == 0 and r.first_position >= len(seq.prompt_token_ids)
+                     and seq.draft_backlog_len + r.num_positions < DRAFT_BACKLOG)
             if not defer and not seq.draft_backlog:
                 sent.append(r)
                 sent_live.append(item)

@@ -151,12 +151,14 @@ class Scheduler:
 
     def update_after_step(self, output: SchedulerOutput, num_rejected: dict[str, int]) -> None:
         """The step ran: its tokens are in the KV cache now, except rejected drafts, whose entries are
-        rolled back (they are overwritten later, and never enter the prefix cache). A hybrid cache's
-        chunked groups give back the blocks before the next step's chunk."""
+        rolled back (they are overwritten later, and never enter the prefix cache). Blocks full of
+        them enter the prefix cache once the draft, if any, has read them too (Sequence.num_shareable):
+        call this after the draft's proposals. A hybrid cache's chunked groups give back the blocks
+        before the next step's chunk."""
         for item in output.scheduled:
             seq = item.seq
             seq.num_cached = item.num_cached + len(item.token_ids) - num_rejected.get(seq.request_id, 0)
-            self.block_manager.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_cached)
+            self.block_manager.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_shareable)
             self.block_manager.release_passed_chunks(seq.request_id, seq.num_cached)
 
     @staticmethod
@@ -183,18 +185,18 @@ class Scheduler:
         if seq.params.prompt_logprobs is not None:
             self.block_manager.match_prefix(seq.request_id, [])
             return
-        seq.num_cached = self.block_manager.match_prefix(seq.request_id, seq.all_token_ids)
+        seq.reset_cached(self.block_manager.match_prefix(seq.request_id, seq.all_token_ids))
 
     def _unmatch(self, seq: Sequence) -> None:
         """Give back the cached blocks _match_prefix gave a sequence that does not start now."""
         self.block_manager.free(seq.request_id)
-        seq.num_cached = 0
+        seq.reset_cached(0)
 
     def _preempt_worst(self) -> Sequence:
         """Send the running sequence of the worst rank back to the queue, in its place."""
         seq = self.running.pop()
         self.block_manager.free(seq.request_id)
-        seq.num_cached = 0  # its drafts stay: they are verified once it is recomputed
+        seq.reset_cached(0)  # its drafts stay: they are verified once it is recomputed
         bisect.insort(self.waiting, seq, key=_rank)
         self.num_preemptions += 1
         return seq

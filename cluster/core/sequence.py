@@ -29,6 +29,10 @@ class Sequence:
     random: KeyedRandom  # every draw keyed by the request's seed and the position it decides
     output_token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the KV cache
+    # With a draft: of those, the leading positions whose draft KV is written too. The draft reads a
+    # position after the target's step, or later from a backlog (engine_core.py), and the prefix cache
+    # shares no block past it (num_shareable). None without a draft.
+    num_drafted: int | None = None
     num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache supplied at admission
     # Its place in the scheduler's order (lower first): priority and arrival, set when it is queued.
     rank: tuple[int, int] = (0, 0)
@@ -73,6 +77,18 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_shareable(self) -> int:
+        """Leading tokens whose KV, the draft's too, is complete: what the prefix cache may share."""
+        return self.num_cached if self.num_drafted is None else min(self.num_cached, self.num_drafted)
+
+    def reset_cached(self, num_cached: int) -> None:
+        """KV blocks taken from the prefix cache (num_cached tokens) or given back (0). A cached
+        block holds the draft's KV as well as the target's."""
+        self.num_cached = num_cached
+        if self.num_drafted is not None:
+            self.num_drafted = num_cached
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

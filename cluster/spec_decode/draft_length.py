@@ -11,12 +11,12 @@ r_i[j] is the chance that draft j + 1 is accepted, every draft before it accepte
 estimate per request, started from the engine-wide estimate and updated by its own verifications.
 The step takes the k of the largest rate, among the lengths whose steps run compiled or as CUDA
 graphs (the engine's query lengths less one: 0 and k_max; an eager engine tries every length).
-k = 0 is a plain decode; the draft then reads what the target kept once every 128 positions. A
-draft length chosen last stays unless plain decoding beats it by SWITCH_MARGIN. A length that has not
-run for REFRESH_STEPS steps runs once when the model puts it within REFRESH_MARGIN of the best: only
-a length that runs keeps its figures current (cost_model.py), and a stale figure that reads too dear
-would otherwise never run again to be corrected. Worked example,
-b = 32, host time aside: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms,
+k = 0 is a plain decode; the draft then reads what the target kept once every 128 positions (a
+prompt at once: the prefix cache shares only blocks the draft has read). A draft length chosen last
+stays unless plain decoding beats it by SWITCH_MARGIN. A length that has not run for REFRESH_STEPS
+steps runs once when the model puts it within REFRESH_MARGIN of the best: only a length that runs
+keeps its figures current (cost_model.py), and a stale figure that reads too dear would otherwise
+never run again to be corrected. Worked example, b = 32, host time aside: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms,
 T_draft(32, 3) = 4 ms, r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) =
 32 x 2.8 / 23 ms = 3.9: draft.
 

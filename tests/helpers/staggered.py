@@ -1,4 +1,5 @@
-"""Requests that arrive at chosen steps of an engine's own loop, as continuous batching sees them."""
+"""Requests that arrive at chosen steps of an engine's own loop, as continuous batching sees them, and
+what the steps made of them."""
 
 from __future__ import annotations
 
@@ -24,3 +25,17 @@ def run_staggered(engine, requests) -> dict[str, RequestOutput]:
                 finished[out.request_id] = out
         step += 1
     return finished
+
+
+def count_unfinished_chunks(engine) -> list[int]:
+    """[n]: the scheduled shares that stop short of their sequence's last known token (a prompt cut by
+    the token budget, or a recompute's), counted as the engine steps from now on."""
+    counts, schedule = [0], engine.scheduler.schedule
+
+    def counting_schedule():
+        out = schedule()
+        counts[0] += sum(not item.samples for item in out.scheduled)
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    return counts

@@ -1,7 +1,8 @@
 """Constrained decoding end to end on the bundled pair (a 10M model: the grammar, not the model,
 makes the output parse). The EAGLE-3 draft changes no greedy token, nor a seeded one under coupled
 verification, and keeps the constrained distribution under rejection sampling; its own drafts are
-masked too, so it still accepts. A request waits for its grammar without holding up the others."""
+masked too, so it still accepts; seeded requests read the same in a crowd as alone. A request waits for
+its grammar without holding up the others."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections import Counter
 import jsonschema
 import pytest
 
+from helpers.staggered import count_unfinished_chunks, run_staggered
 from warpspec import LLM, SamplingParams
 from warpspec.assets import BUNDLED_DRAFT, BUNDLED_TARGET, held_out_prompts
 from warpspec.sampling_params import StructuredOutputs
@@ -115,15 +117,46 @@ def test_rejection_sampling_keeps_the_constrained_distribution():
     assert chi2 < 37.70  # the 0.1% point of chi-square with 15 degrees of freedom
 
 
-def test_seeded_constrained_requests_read_the_same_in_a_crowd(prompts):
-    crowd = [(prompt, SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=10 + i,
-                                     structured_output=list(SPECS.values())[i % len(SPECS)]))
-             for i, prompt in enumerate(prompts * 2)]
-    crowd.append((prompts[0], SamplingParams(max_tokens=40, temperature=0.8, seed=99)))  # free text beside them
-    with LLM(str(BUNDLED_TARGET), dtype="float32", deterministic=True, **DRAFT) as llm:
-        alone = [llm.generate([prompt], params)[0].token_ids for prompt, params in crowd]
-        together = [o.token_ids for o in llm.generate([p for p, _ in crowd], [params for _, params in crowd])]
-    assert together == alone
+def _constrained_crowd(prompts: list[list[int]]) -> list[tuple[str, list[int], SamplingParams, int]]:
+    """(request id, prompt, params, the step it arrives at): seeded top-p requests of every grammar, and
+    of prose (a grammar that leaves most tokens to the model, so that the drafts' probabilities decide
+    more of them than under a schema), half of them opening with the same two prompts (prefix-cache
+    hits), with free text beside them. First comes a request with penalties that opens the same way
+    and whose prompt fits one step: the draft never drafts for it, and the others hit its blocks. An
+    unseeded one samples with whatever lengths the draft-length policy chooses (not compared); its
+    prompt of 97 tokens takes two steps of 80."""
+    opening = prompts[0] + prompts[1][1:]
+    crowd = [("penalties", opening + prompts[2][1:4],
+              SamplingParams(max_tokens=40, temperature=0.8, repetition_penalty=1.2, seed=98), 0),
+             ("unseeded", prompts[3] + prompts[2][1:] + prompts[1][1:],
+              SamplingParams(max_tokens=40, temperature=0.8), 2)]
+    kinds = [StructuredOutputs(regex="[a-z ,.]{20,200}"), *SPECS.values()]
+    for i, prompt in enumerate(prompts * 2):
+        params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=10 + i,
+                                structured_output=kinds[i % len(kinds)])
+        crowd.append((f"c{i}", opening + prompt[1:] if i % 2 == 0 else prompt, params, 1 + i))
+    return crowd
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_seeded_constrained_requests_read_the_same_in_a_staggered_crowd(prompts, deterministic):
+    """Under the default (adaptive) draft length, with prefix-cache hits, preemption (12 blocks of 16
+    tokens, far less than the crowd holds at once) and chunked prefill (80 tokens a step), each seeded
+    request reads as alone, in float32 and in deterministic mode."""
+    options = dict(dtype="float32", deterministic=deterministic, block_size=16, num_kv_blocks=12,
+                   max_num_batched_tokens=80, **DRAFT)
+    crowd = _constrained_crowd(prompts)
+    with LLM(str(BUNDLED_TARGET), enable_prefix_caching=False, **options) as llm:
+        alone = {rid: llm.generate([prompt], params)[0].token_ids for rid, prompt, params, _ in crowd
+                 if params.seed is not None}
+    with LLM(str(BUNDLED_TARGET), **options) as llm:
+        engine = llm.engine
+        num_chunks = count_unfinished_chunks(engine)
+        got = {rid: out.token_ids for rid, out in run_staggered(engine, crowd).items()}
+        assert num_chunks[0] > 0 and engine.scheduler.num_preemptions > 0
+        assert engine.block_manager.stats.hit_tokens > 0
+        assert engine.spec_stats.num_constrained_verify_steps > 0
+    assert {rid: got[rid] for rid in alone} == alone
 
 
 def test_a_request_waits_for_its_grammar_without_holding_up_the_others(monkeypatch):
