@@ -23,7 +23,7 @@ BLOCK = 4
 # backlog of 128 positions and 7 more): in a smaller cache it has no step costs, and drafts k at every
 # step. With 16 tokens per step, four verifications filled a step and no request was preempted.
 CROWD = dict(block_size=BLOCK, num_kv_blocks=36, max_num_batched_tokens=32)
-NUM_REQUESTS = 40
+NUM_REQUESTS = 46  # 40 greedy or seeded, whose tokens are compared, and 6 unseeded beside them
 # Speculation settings of the crowd and of the runs alone; "default" is the adaptive draft length.
 SPECULATION = {"none": None, "default": {}, "fixed": dict(speculative_policy="fixed"),
                "coupled": dict(coupled_verification=True), "deterministic": dict(deterministic=True)}
@@ -41,7 +41,7 @@ def draft(tmp_path_factory):
 
 def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]:
     """(request id, prompt, params, the step it arrives at). Every kind of request, each with and
-    without the shared opening (7 kinds, every second request): greedy, seeded top-p / top-k / min-p,
+    without the shared opening (7 kinds, every second request has it): greedy, seeded top-p / top-k / min-p,
     stop tokens; penalties and opted out, which never draft (under the adaptive draft length the draft
     reads their decoded positions late, from a backlog); unseeded samples, which draft what the policy
     chooses, so their tokens depend on the crowd and are not compared. The opening is three whole
@@ -130,7 +130,8 @@ def test_staggered_crowd_matches_each_request_alone(request, target, draft, spec
             # The adaptive policy had its step costs and left its warm-up: it chose the lengths.
             assert engine.step_costs.rows() and policy.num_observed >= MIN_OBSERVED
             assert sum(policy.num_chosen.values()) > 0
-    assert sorted(expected) == sorted(rid for rid, _, params, _ in requests if _promised(params))
+    assert len(expected) == 40 and sorted(expected) == sorted(rid for rid, _, params, _ in requests
+                                                              if _promised(params))
     for rid in expected:
         assert got[rid] == expected[rid], rid
 
