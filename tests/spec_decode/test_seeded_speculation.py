@@ -18,11 +18,12 @@ from warpspec.spec_decode.draft_length import MIN_OBSERVED
 
 BLOCK = 4
 # A crowd engine: 36 blocks of 4 tokens hold far less than 40 requests need at once (preemption), 32
-# tokens per step (chunked prefill, and verifications that wait for room), prefix caching on. 36
-# blocks also hold the stand-ins the adaptive draft length times its steps with at start-up (a
-# backlog of 128 positions and 7 more): in a smaller cache it has no step costs, and drafts k at every
-# step. With 16 tokens per step, four verifications filled a step and no request was preempted.
-CROWD = dict(block_size=BLOCK, num_kv_blocks=36, max_num_batched_tokens=32)
+# tokens per step (chunked prefill, and verifications that wait for room), prefix caching on, 8
+# sequences at most (a better priority preempts when the batch is full). 36 blocks also hold the
+# stand-ins the adaptive draft length times its steps with at start-up (a backlog of 128 positions and
+# 7 more): in a smaller cache it has no step costs, and drafts k at every step. With 16 tokens per
+# step, four verifications filled a step and no request was preempted.
+CROWD = dict(block_size=BLOCK, num_kv_blocks=36, max_num_batched_tokens=32, max_num_seqs=8)
 NUM_REQUESTS = 46  # 40 greedy or seeded, whose tokens are compared, and 6 unseeded beside them
 # Speculation settings of the crowd and of the runs alone; "default" is the adaptive draft length.
 SPECULATION = {"none": None, "default": {}, "fixed": dict(speculative_policy="fixed"),
@@ -47,7 +48,8 @@ def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]
     chooses, so their tokens depend on the crowd and are not compared. The opening is three whole
     blocks; a cached block is keyed by the token after it too (the draft's KV), so the first two
     serve. The first request, at step 0, has penalties and a prompt of one step: the blocks the others
-    hit are those of a request that never drafts."""
+    hit are those of a request that never drafts. Priorities -1, 0 and 1 in turn: a better request
+    preempts worse ones (alone, a priority changes nothing)."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 160) for _ in range(3 * BLOCK)]
     kinds = [
@@ -64,8 +66,8 @@ def _requests(seed: int = 0) -> list[tuple[str, list[int], SamplingParams, int]]
         own = [rng.randrange(3, 160) for _ in range(rng.randrange(1, 5 if i == 0 else 20))]
         prompt = shared + own if i % 2 == 0 else own
         params = kinds[i % len(kinds)]
-        if params.seed is not None:
-            params = SamplingParams(**{**vars(params), "seed": params.seed + 100 * i})
+        seed = None if params.seed is None else params.seed + 100 * i
+        params = SamplingParams(**{**vars(params), "seed": seed, "priority": i % 3 - 1})
         requests.append((f"r{i}", prompt, params, 0 if i == 0 else rng.randrange(1, 8)))
     return requests
 
@@ -120,6 +122,7 @@ def test_staggered_crowd_matches_each_request_alone(request, target, draft, spec
         got = {rid: out.token_ids for rid, out in run_staggered(engine, requests).items()}
         assert num_chunks[0] > 0  # prompts were cut by the token budget
         assert engine.scheduler.num_preemptions > 0  # the tiny cache did force recomputes
+        assert engine.scheduler.num_priority_preemptions > 0  # some for a better priority
         assert engine.block_manager.stats.hit_tokens > 0  # and the shared opening was reused
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # no leaks
         if speculation != "none":
