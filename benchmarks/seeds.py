@@ -13,7 +13,7 @@ Four measurements, side by side in one run:
 - cost: what the promise costs at batch 1, 8 and 32. Under rejection sampling a seeded request drafts
   all it may at every step, whatever the draft-length policy would choose, so that its tokens do not
   depend on the crowd; an unseeded one drafts what the policy chooses. Tokens/s per user of both,
-  of coupled verification (seeded, lengths chosen freely) and of plain decoding.
+  of coupled verification (seeded, lengths chosen freely) and of plain decoding, in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 
 from tqdm import tqdm
 
@@ -36,11 +37,13 @@ MODES = ("none", "rejection", "coupled", "deterministic")
 CROWD_ENGINE = dict(block_size=16, num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=12)
 
 
-def _options(mode: str, args: argparse.Namespace) -> dict:
-    """The engine options of a verification mode: the command line's draft, k and policy."""
+def _options(mode: str, args: argparse.Namespace, compile_draft: bool = False) -> dict:
+    """The engine options of a verification mode: the command line's draft, k and policy. The draft runs
+    eagerly unless compile_draft: the crowd and prefix sections start many engines, and their tokens
+    are compared, not timed."""
     if mode == "none":
         return {}
-    options = dict(draft=args.draft, num_speculative_tokens=args.num_speculative_tokens, compile_draft=False,
+    options = dict(draft=args.draft, num_speculative_tokens=args.num_speculative_tokens, compile_draft=compile_draft,
                    speculative_policy=args.speculative_policy)
     extra = {"coupled": {"coupled_verification": True}, "deterministic": {"deterministic": True}}
     return options | extra.get(mode, {})
@@ -132,7 +135,7 @@ def measure_prefix(target: str, args: argparse.Namespace) -> list[dict]:
 
 def measure_speeds(target: str, sections: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
     """The coupling and cost sections, on the same three engines: plain, rejection sampling and coupled
-    verification (both under --speculative-policy)."""
+    verification (both under --speculative-policy, the draft compiled unless --no-compile-draft)."""
     held_out, results = held_out_prompts(), {}
 
     def seeded(batch: int, temperature: float, seed: bool = True) -> list[SamplingParams]:
@@ -140,8 +143,8 @@ def measure_speeds(target: str, sections: list[str], args: argparse.Namespace) -
                                ignore_eos=True) for i in range(batch)]
 
     with LLM(target, dtype="float32") as plain, \
-            LLM(target, dtype="float32", **_options("rejection", args)) as rejection, \
-            LLM(target, dtype="float32", **_options("coupled", args)) as coupled:
+            LLM(target, dtype="float32", **_options("rejection", args, args.compile_draft)) as rejection, \
+            LLM(target, dtype="float32", **_options("coupled", args, args.compile_draft)) as coupled:
         if "coupling" in sections:
             prompts, rows = held_out[: args.batch], []
             for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -159,22 +162,26 @@ def measure_speeds(target: str, sections: list[str], args: argparse.Namespace) -
             results["coupling"] = rows
         if "cost" in sections:
             rows, temperature = [], args.cost_temperature
+            configs = {"plain": (plain, True), "unseeded": (rejection, False), "seeded": (rejection, True),
+                       "coupled": (coupled, True)}
             for batch in tqdm([int(b) for b in args.cost_batch_sizes.split(",")], desc="cost"):
                 prompts = [held_out[i % len(held_out)] for i in range(batch)]
-                plain_rate, _ = measure(plain, prompts, args.new_tokens, args.repeats, seeded(batch, temperature))
-                unseeded_rate, _ = measure(rejection, prompts, args.new_tokens, args.repeats,
-                                           seeded(batch, temperature, seed=False))
-                unseeded_acceptance = rejection.engine.spec_stats.acceptance_length
-                seeded_rate, _ = measure(rejection, prompts, args.new_tokens, args.repeats, seeded(batch, temperature))
-                seeded_acceptance = rejection.engine.spec_stats.acceptance_length
-                coupled_rate, _ = measure(coupled, prompts, args.new_tokens, args.repeats, seeded(batch, temperature))
-                rows.append({"batch": batch, "temperature": temperature, "plain_tokens_per_s_per_user": plain_rate,
-                             "unseeded_tokens_per_s_per_user": unseeded_rate,
-                             "unseeded_acceptance_length": unseeded_acceptance,
-                             "seeded_tokens_per_s_per_user": seeded_rate, "seeded_acceptance_length": seeded_acceptance,
-                             "seeded_vs_unseeded": seeded_rate / unseeded_rate,
-                             "coupled_tokens_per_s_per_user": coupled_rate,
-                             "coupled_acceptance_length": coupled.engine.spec_stats.acceptance_length})
+                rates = {name: [] for name in configs}
+                acceptance = {name: [] for name in configs}
+                for _ in range(args.repeats):  # interleaved rounds: a drifting host moves every config alike
+                    for name, (llm, seed) in configs.items():
+                        rate, _ = measure(llm, prompts, args.new_tokens, 1, seeded(batch, temperature, seed))
+                        rates[name].append(rate)
+                        acceptance[name].append(llm.engine.spec_stats.acceptance_length)
+                row = {"batch": batch, "temperature": temperature}
+                for name in configs:
+                    row[f"{name}_tokens_per_s_per_user"] = statistics.median(rates[name])
+                    row[f"{name}_tokens_per_s_per_user_runs"] = rates[name]
+                    row[f"{name}_acceptance_length"] = statistics.mean(acceptance[name])
+                row["seeded_vs_unseeded"] = row["seeded_tokens_per_s_per_user"] / row["unseeded_tokens_per_s_per_user"]
+                row["seeded_vs_unseeded_runs"] = [seeded_rate / unseeded_rate for seeded_rate, unseeded_rate
+                                                  in zip(rates["seeded"], rates["unseeded"], strict=True)]
+                rows.append(row)
             results["cost"] = rows
     return results
 
@@ -206,12 +213,14 @@ def tables(results: dict) -> str:
         lines.append("")
     if "cost" in results:
         lines += ["| batch | temperature | plain tok/s/user | unseeded: acceptance, tok/s/user "
-                  "| seeded: acceptance, tok/s/user | seeded / unseeded | coupled (seeded): acceptance, tok/s/user |",
+                  "| seeded: acceptance, tok/s/user | seeded / unseeded (rounds) "
+                  "| coupled (seeded): acceptance, tok/s/user |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['temperature']} | {r['plain_tokens_per_s_per_user']:.1f} "
                   f"| {r['unseeded_acceptance_length']:.2f}, {r['unseeded_tokens_per_s_per_user']:.1f} "
                   f"| {r['seeded_acceptance_length']:.2f}, {r['seeded_tokens_per_s_per_user']:.1f} "
-                  f"| {r['seeded_vs_unseeded']:.2f}x "
+                  f"| {r['seeded_vs_unseeded']:.2f}x ({min(r['seeded_vs_unseeded_runs']):.2f}-"
+                  f"{max(r['seeded_vs_unseeded_runs']):.2f}) "
                   f"| {r['coupled_acceptance_length']:.2f}, {r['coupled_tokens_per_s_per_user']:.1f} |"
                   for r in results["cost"]]
     return "\n".join(lines).rstrip()
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="how each step's number of drafts is chosen (the engine's option; fixed: k every step, "
                              "and no step timing at start-up)")
     parser.add_argument("--sections", default="crowd,prefix,coupling,cost")
+    parser.add_argument("--compile-draft", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile the draft of the timed sections (coupling, cost), as an engine does by default")
     parser.add_argument("--modes", default=",".join(MODES), help="verification modes of the crowd section")
     parser.add_argument("--crowd-requests", type=int, default=40)
     parser.add_argument("--spread-s", type=float, default=3.0, help="arrivals spread over this many seconds")
@@ -247,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if "coupling" in sections or "cost" in sections:
         results |= measure_speeds(args.target, sections, args)
     table = tables(results)
+    timed_draft = "compiled" if args.compile_draft else "eager"
     print(f"target {args.target}, draft {args.draft}, k={k} ({args.speculative_policy}), float32, "
-          f"{args.new_tokens} new tokens\n\n{table}")
+          f"{args.new_tokens} new tokens, median of {args.repeats}; draft {timed_draft} where timed\n\n{table}")
     write_report(args.run_dir, "seeds", results, table)
     return 0

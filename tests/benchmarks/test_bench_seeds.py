@@ -16,7 +16,7 @@ def test_bench_seeds_prints_its_tables(tmp_path, capsys):
     # this test's 35 s), and its timing has tests of its own (tests/spec_decode).
     assert seeds.main(["--crowd-requests", "4", "--spread-s", "0.2", "--prefix-requests", "2", "--batch", "2",
                        "--temperatures", "1.0", "--cost-batch-sizes", "1,2", "--new-tokens", "6", "--repeats", "1",
-                       "--speculative-policy", "fixed", "--run-dir", str(tmp_path)]) == 0
+                       "--speculative-policy", "fixed", "--no-compile-draft", "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "k=3 (fixed)" in out
     assert "| coupled | alone, no draft | 0/4 |" in out and "| 1.0 | 2 |" in out
