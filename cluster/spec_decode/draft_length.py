@@ -16,9 +16,9 @@ prompt at once: the prefix cache shares only blocks the draft has read). A draft
 stays unless plain decoding beats it by SWITCH_MARGIN. A length that has not run for REFRESH_STEPS
 steps runs once when the model puts it within REFRESH_MARGIN of the best: only a length that runs
 keeps its figures current (cost_model.py), and a stale figure that reads too dear would otherwise
-never run again to be corrected. Worked example, b = 32, host time aside: T_target(32, 1) = 9 ms, T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms,
-T_draft(32, 3) = 4 ms, r = [0.8, 0.6, 0.4]: rate(0) = 32 / 10 ms = 3.2 tokens/ms, rate(3) =
-32 x 2.8 / 23 ms = 3.9: draft.
+never run again to be corrected. Worked example, b = 32, host time aside: T_target(32, 1) = 9 ms,
+T_target(32, 4) = 19 ms, T_draft(32, 0) = 1 ms, T_draft(32, 3) = 4 ms, r = [0.8, 0.6, 0.4]: rate(0) =
+32 / 10 ms = 3.2 tokens/ms, rate(3) = 32 x 2.8 / 23 ms = 3.9: draft.
 
 A request that cannot take k drafts (near max_tokens, with penalties, opted out) takes fewer and
 the step becomes a mixed one, costed as such. Seeded sampled requests verified by rejection
