@@ -4,8 +4,8 @@
     out = executor.execute(plan)      # the model: in-process, or the coordinator's workers
     tokens = sample(...) / verify_batch()  # one token, or the accepted drafts plus one, per sequence
     append, check eos / stop tokens / length  # finished requests leave and free their blocks at once
-    proposer.propose(...)             # when speculating: the next step's draft tokens, as many per
-                                      # request as the measured step costs say pay (draft_length.py)
+    speculation.propose(...)          # when speculating: the next step's draft tokens, as many per
+                                      # request as the measured step costs say pay (speculation.py)
 
 A request with a structured output waits outside the scheduler until its grammar's matcher is built
 (off this thread); then every row it samples or verifies is masked to what its grammar allows after
@@ -35,6 +35,7 @@ from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.core.sequence import Sequence
+from warpspec.core.speculation import DRAFT_BACKLOG, Speculation
 from warpspec.core.startup import StartupTimer
 from warpspec.core.stats import EngineStats
 from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
@@ -44,7 +45,6 @@ from warpspec.sample.rejection_sampler import verify_batch
 from warpspec.sample.sampler import sample, top_logprobs
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.cost_model import StepCostModel
-from warpspec.spec_decode.draft_length import DraftLengthPolicy, DraftWant
 from warpspec.spec_decode.draft_loader import load_eagle3_proposer
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats
@@ -70,10 +70,6 @@ class Executor(Protocol):
 
     def shutdown(self) -> None: ...
 
-# A request decoding without drafts calls the draft once per this many positions (_with_backlogs).
-DRAFT_BACKLOG = 128
-# Batch sizes the step cost model times at start-up: ~1 s on the bundled pair on 2 CPU cores.
-TIMED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # The stand-in prompt's length at start-up (EngineCore._warm_up_prefill): 8 tokens left the first
 # request as slow as without it, 64 and more did not.
 WARM_UP_PROMPT_TOKENS = 256
@@ -124,15 +120,14 @@ class EngineCore:
                                           max_step_tokens=config.scheduler.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self.compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests awaiting their matcher
-        self.released: list[str] = []  # finished or aborted since the proposer last heard
         self.left_request_ids: list[str] = []  # finished or aborted since the executor last heard
         self.spec_stats = SpeculationStats()
         self.step_costs = StepCostModel()
-        self.draft_lengths = self._draft_length_policy()
-        # The adaptive draft length times each step; on a GPU only a synchronize makes that its work.
-        # Sampling waits for the logits right after anyway.
-        self.times_gpu_steps = (self.draft_lengths is not None and self.draft_lengths.adaptive
-                                and config.device.startswith("cuda"))
+        self.speculation = None if self.proposer is None else Speculation(
+            config, self.proposer, self.executor, self.block_manager, self.kv_layout, self.max_model_len,
+            self.step_costs)
+        self.draft_lengths = None if self.speculation is None else self.speculation.policy
+        self.times_gpu_steps = self.speculation is not None and self.speculation.times_gpu_steps
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -160,7 +155,8 @@ class EngineCore:
         # A cache too small to hold the stand-ins' backlog: the costs are learnt from real steps alone.
         if self.draft_lengths.adaptive and self.executor.num_blocks * self.block_size > DRAFT_BACKLOG + 2 * k:
             with self.startup.phase("time steps") as phase:
-                phase.detail = self._time_steps()
+                phase.detail, stand_in_ids = self.speculation.time_steps()
+            self.left_request_ids.extend(stand_in_ids)
 
     def _warm_up_prefill(self, with_draft: bool) -> str:
         """One stand-in prompt of random tokens through the target, and with_draft the draft's first
@@ -188,58 +184,6 @@ class EngineCore:
             self.proposer.propose([request], output.aux_hidden)
             self.proposer.release([request_id])
         return f"{num_tokens} tokens"
-
-    def _draft_length_policy(self) -> DraftLengthPolicy | None:
-        if self.proposer is None:
-            return None
-        k = self.config.speculative.num_speculative_tokens
-        graphs = self.config.cuda_graph_config()
-        # Only the lengths whose steps run compiled, or as CUDA graphs: any other runs eagerly and
-        # costs more than the drafts it would save (verification is k + 1 there).
-        lengths = tuple(q - 1 for q in graphs.query_lens) if graphs is not None else tuple(range(k + 1))
-        return DraftLengthPolicy(k, lengths, self.step_costs,
-                                 adaptive=self.config.speculative.speculative_policy == "adaptive",
-                                 padded=graphs is not None)
-
-    def _time_steps(self) -> str:
-        """The step cost model's first figures: the target's step and the draft's proposals at every
-        length a step may choose, for each of TIMED_BATCH_SIZES up to max_num_seqs (a larger batch
-        reads past them, never cheaper, until its real steps correct it). Best of 3 each. The stand-in
-        sequences run in the first blocks, which no request holds yet; they leave the executor's batch
-        with the next step."""
-        sizes = [b for b in TIMED_BATCH_SIZES if b <= self.config.scheduler.max_num_seqs]
-        ids = [f"step-cost-{i}" for i in range(max(sizes))]
-        aux_layer_ids = list(self.proposer.aux_layer_ids)
-        k = self.draft_lengths.max_drafts
-        # Blocks for a backlog's catch-up, or the verified tokens and the drafts after them.
-        table = list(range(-(-(DRAFT_BACKLOG + 2 * k + 1) // self.block_size)))
-        for num_drafts in self.draft_lengths.lengths:
-            q = num_drafts + 1
-            # Without drafts the draft reads a backlog once per DRAFT_BACKLOG steps (_with_backlogs).
-            num_positions, share = (DRAFT_BACKLOG, DRAFT_BACKLOG) if num_drafts == 0 else (q, 1)
-            for b in sizes:
-                windows = [table] * self.kv_layout.num_window_groups  # a hybrid cache's chunked groups
-                plan = StepPlan([SequenceStep([0] * q, 0, table, 0, ids[i], windows) for i in range(b)],
-                                self.block_size, aux_layer_ids, chunk_size=self.kv_layout.chunk_size)
-                target, draft = [], []
-                for _ in range(3):
-                    start = time.perf_counter()
-                    output = self.executor.execute(plan)
-                    if self.times_gpu_steps:
-                        torch.cuda.synchronize()
-                    target.append(time.perf_counter() - start)
-                    features = torch.cat(output.aux_hidden, dim=-1)
-                    features = features[:1].expand(b * num_positions, -1).contiguous()
-                    requests = [DraftRequest(ids[i], [0] * num_positions, 0, i * num_positions, num_drafts, table,
-                                             0.0, KeyedRandom(0)) for i in range(b)]
-                    start = time.perf_counter()
-                    self.proposer.propose(requests, [features])  # its drafts come back as lists: waited for
-                    draft.append((time.perf_counter() - start) / share)
-                self.step_costs.set("target", b, q, min(target))
-                self.step_costs.set("draft", b, num_drafts, min(draft))
-        self.left_request_ids.extend(ids)
-        self.proposer.release(ids)
-        return f"{len(sizes)} batch sizes x draft lengths {', '.join(map(str, self.draft_lengths.lengths))}"
 
     def _load_proposer(self) -> Proposer:
         # With one shard (in this process, or the coordinator's only one) the draft shares the
@@ -408,7 +352,7 @@ class EngineCore:
             if item.draft_token_ids:
                 accepted = len(tokens) - 1
                 num_rejected[seq.request_id] = len(item.draft_token_ids) - accepted
-                self._count_acceptance(seq, len(item.draft_token_ids), accepted)
+                self.speculation.count_acceptance(self.spec_stats, seq, len(item.draft_token_ids), accepted)
             num_appended = 0
             for token in tokens:
                 self._append_token(seq, token)
@@ -420,9 +364,10 @@ class EngineCore:
                 # Only the tokens appended: an eos among the accepted drafts drops those after it.
                 seq.new_logprobs.extend(logprobs[:num_appended])
         draft_s = 0.0
-        if self.proposer is not None:
+        if self.speculation is not None:
             draft_start = time.perf_counter()
-            self._propose(sched.scheduled, [len(p.token_ids) for p in plan], output.aux_hidden, num_rejected)
+            self.speculation.propose(sched.scheduled, [len(p.token_ids) for p in plan], output.aux_hidden,
+                                     num_rejected)
             draft_s = time.perf_counter() - draft_start
             self.spec_stats.draft_time_s += draft_s
         # After the draft: a block enters the prefix cache only with the draft's KV written too.
@@ -436,7 +381,8 @@ class EngineCore:
                 outputs.append(item.seq.take_delta(len(item.draft_token_ids)))
         step_s = time.perf_counter() - step_start
         self.spec_stats.step_time_s += step_s
-        self._observe_step_cost(sched.scheduled, plan, execute_s, step_s - execute_s - draft_s)
+        if self.speculation is not None:
+            self.speculation.observe_step(sched.scheduled, plan, execute_s, step_s - execute_s - draft_s)
         return outputs
 
     def _padded_len(self, scheduled: list[ScheduledSequence]) -> int:
@@ -462,23 +408,6 @@ class EngineCore:
         for item in scheduled:
             blocks.allocate(item.seq.request_id, item.num_cached + padded)
         return padded
-
-    def _observe_step_cost(self, scheduled: list[ScheduledSequence], plan: list[SequenceStep], execute_s: float,
-                           host_s: float) -> None:
-        """Every step counts in the cost model (how stale each figure is); a step of decodes and
-        verifications only (no prompt chunk) updates it: the target's step, and the rest of the step
-        outside the target and the draft (host_s)."""
-        if self.draft_lengths is None or not self.draft_lengths.adaptive:
-            return
-        self.step_costs.advance()
-        if not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1 for item in scheduled):
-            return
-        lengths = [len(p.token_ids) for p in plan]
-        if min(lengths) == max(lengths):
-            self.step_costs.observe_target(len(lengths), lengths[0], execute_s)
-        else:
-            self.step_costs.observe_mixed(len(lengths), max(lengths), execute_s)
-        self.step_costs.observe_host(len(lengths), max(lengths), host_s)
 
     def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor,
                        ) -> list[tuple[list[int] | None, list[PositionLogprobs] | None]]:
@@ -517,151 +446,12 @@ class EngineCore:
             return logits
         return masked(logits, self.validator.grammars.fill_masks(matchers, logits.shape[0]))
 
-    def _count_acceptance(self, seq: Sequence, num_drafts: int, accepted: int) -> None:
-        seq.num_verify_steps += 1
-        seq.num_draft_tokens += num_drafts
-        seq.num_accepted_tokens += accepted
-        stats = self.spec_stats
-        stats.num_verify_steps += 1
-        stats.num_draft_tokens += num_drafts
-        stats.num_accepted_tokens += accepted
-        if seq.grammar is not None:
-            stats.num_constrained_verify_steps += 1
-            stats.num_constrained_accepted_tokens += accepted
-        for position in range(num_drafts):
-            stats.proposed_at[position] = stats.proposed_at.get(position, 0) + 1
-            if position < accepted:
-                stats.accepted_at[position] = stats.accepted_at.get(position, 0) + 1
-        if seq.acceptance is not None:
-            self.draft_lengths.observe(seq.acceptance, num_drafts, accepted)
-
-    def _propose(self, scheduled: list[ScheduledSequence], step_lens: list[int], aux_hidden: list[torch.Tensor],
-                 num_rejected: dict[str, int]) -> None:
-        """Bring the draft up to date on every position the target computed this step, and ask it for
-        the next drafts of each sequence that will decode next step: as many as the draft length
-        policy chooses for that batch (spec_decode/draft_length.py)."""
-        requests, live, token_start = [], [], 0
-        for item, step_len in zip(scheduled, step_lens, strict=True):
-            seq = item.seq
-            valid = len(item.token_ids) - num_rejected.get(seq.request_id, 0)
-            feature_start, token_start = token_start, token_start + step_len  # padding included
-            if item.samples:  # its drafts were verified; a mid-prefill chunk keeps them for later
-                seq.draft_token_ids, seq.draft_probs = [], None
-            if seq.finish_reason is not None:
-                continue
-            first = item.num_cached
-            requests.append(DraftRequest(
-                seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, 0,
-                self.block_manager.block_tables[seq.request_id], seq.params.temperature,
-                seq.random, self.config.speculative.coupled_verification, seq.grammar))
-            live.append(item)
-        decoding = [i for i, item in enumerate(live) if item.samples]
-        wants = [self._draft_want(live[i].seq) for i in decoding]
-        for i, num_drafts in zip(decoding, self.draft_lengths.choose(wants), strict=True):
-            requests[i].num_drafts = num_drafts
-        requests, live, aux_hidden = self._with_backlogs(requests, live, aux_hidden)
-        if self.released:  # before the proposals: a request id may come back once it has left
-            self.proposer.release(self.released)
-            self.released = []
-        start = time.perf_counter()
-        proposals = self.proposer.propose(requests, aux_hidden)
-        self._observe_draft_cost(requests, live, time.perf_counter() - start)
-        for r, item, drafts in zip(requests, live, proposals, strict=True):
-            item.seq.num_drafted = r.first_position + r.num_positions
-            if item.samples:
-                item.seq.draft_token_ids, item.seq.draft_probs = drafts.token_ids, drafts.probs
-
-    def _observe_draft_cost(self, requests: list[DraftRequest], live: list[ScheduledSequence], seconds: float) -> None:
-        """A proposal for decoding requests alone updates the cost model: k drafts each after a catch-up
-        of at most k + 1 positions (the steady state), or only backlogs caught up, which stand for the
-        steps that did not call the draft (per step: the time over the positions each caught up on).
-        A catch-up over a prompt, or a backlog caught up as drafting resumes, is no step's usual cost."""
-        if (not self.draft_lengths.adaptive or not requests or not all(item.samples for item in live)
-                or len({r.num_drafts for r in requests}) > 1):
-            return
-        if any(r.first_position < len(item.seq.prompt_token_ids) for r, item in zip(requests, live, strict=True)):
-            return  # a prompt's last chunk, read at once
-        num_drafts, positions = requests[0].num_drafts, [r.num_positions for r in requests]
-        if num_drafts and max(positions) <= self.draft_lengths.max_drafts + 1:
-            self.step_costs.observe_draft(len(requests), num_drafts, seconds)
-        elif not num_drafts and min(positions) > self.draft_lengths.max_drafts + 1:
-            self.step_costs.observe_draft(len(requests), 0, seconds * len(positions) / sum(positions))
-
-    def _with_backlogs(self, requests: list[DraftRequest], live: list[ScheduledSequence],
-                       aux_hidden: list[torch.Tensor]) -> tuple[list[DraftRequest], list[ScheduledSequence],
-                                                                list[torch.Tensor]]:
-        """The requests to send the proposer, their items, and the features they read. A decoding
-        request that drafts nothing this time keeps its new positions' features instead (its backlog):
-        a plain step should cost the target's step alone, and the draft's catch-up costs about half of
-        that at batch 1 here (1.2 against 2.2 ms). Every DRAFT_BACKLOG positions, or as soon as it
-        drafts again, it catches up on them all in one call, one step of a few rows instead of many of
-        one. The features of what is sent then form one tensor, the backlogs' rows before each
-        request's own: [a0 a1 | b0] with a's backlog [a_-2 a_-1] -> [a_-2 a_-1 a0 a1 | b0]. A
-        proposer that reads no features (no aux layers) has nothing to keep: it hears every step."""
-        if not self.draft_lengths.adaptive or not aux_hidden:
-            return requests, live, aux_hidden
-        features = None  # this step's [num_tokens, 3 * hidden], read only where a backlog changes
-        sent, sent_live, caught_up = [], [], {}  # caught_up: index in sent -> its rows, backlog first
-        for r, item in zip(requests, live, strict=True):
-            seq = item.seq
-            if seq.draft_backlog and seq.draft_backlog_end != r.first_position:
-                seq.draft_backlog = []  # recomputed after a preemption: this catch-up covers it again
-            # A prompt is read at once: the prefix cache shares its blocks only with the draft's KV in them.
-            defer = (item.samples and r.num_drafts == 0 and r.first_position >= len(seq.prompt_token_ids)
-                     and seq.draft_backlog_len + r.num_positions < DRAFT_BACKLOG)
-            if not defer and not seq.draft_backlog:
-                sent.append(r)
-                sent_live.append(item)
-                continue
-            if features is None:
-                features = torch.cat(aux_hidden, dim=-1)
-            rows = features[r.feature_start : r.feature_start + r.num_positions]
-            if defer:
-                if not seq.draft_backlog:
-                    seq.draft_backlog_start = r.first_position
-                seq.draft_backlog.append(rows)  # a view: a decode step's features are a few rows in all
-                seq.draft_backlog_end = r.first_position + r.num_positions
-                continue
-            rows = caught_up[len(sent)] = torch.cat([*seq.draft_backlog, rows])
-            r.first_position = seq.draft_backlog_start
-            r.token_ids = seq.all_token_ids[r.first_position + 1 : r.first_position + 1 + rows.shape[0]]
-            seq.draft_backlog = []
-            sent.append(r)
-            sent_live.append(item)
-        if not caught_up:
-            return sent, sent_live, aux_hidden
-        parts, num_rows = [], 0
-        for index, r in enumerate(sent):
-            rows = caught_up.get(index)
-            if rows is None:
-                rows = features[r.feature_start : r.feature_start + r.num_positions]
-            r.feature_start, num_rows = num_rows, num_rows + rows.shape[0]
-            parts.append(rows)
-        return sent, sent_live, [torch.cat(parts)]
-
-    def _draft_want(self, seq: Sequence) -> DraftWant:
-        """How many drafts seq may verify next step, and what it has accepted so far."""
-        params = seq.params
-        most = 0
-        if not params.has_penalties and params.speculation is not False:
-            # Never past max_model_len, and no more than the output still allowed. Never fewer
-            # because KV blocks are short: a request's steps, and so its seeded tokens, must not
-            # depend on the crowd (the scheduler preempts for the verification's blocks instead).
-            most = max(0, min(self.draft_lengths.max_drafts, params.max_tokens - len(seq.output_token_ids) - 1,
-                              self.max_model_len - seq.num_tokens))
-        if seq.acceptance is None:
-            seq.acceptance = self.draft_lengths.new_estimate()
-        # A seeded sample verified by rejection sampling drafts as many as it may at every step: its
-        # tokens depend on how many drafts each step verified, which must not depend on the crowd.
-        fixed = params.seed is not None and not params.is_greedy and not self.config.speculative.coupled_verification
-        return DraftWant(most, seq.acceptance, fixed)
-
     def _release(self, request_id: str) -> None:
         """Tell the executor (with the next step) and the proposer (with its next call) to forget a
         request that left."""
         self.left_request_ids.append(request_id)
-        if self.proposer is not None:
-            self.released.append(request_id)
+        if self.speculation is not None:
+            self.speculation.release(request_id)
 
     def _logits_from(self, item: ScheduledSequence) -> int:
         """First of the step's tokens whose logits are needed: all of them while prompt logprobs are

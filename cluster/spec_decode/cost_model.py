@@ -15,7 +15,7 @@ Four tables of seconds, each keyed by (number of sequences, length):
   decode's (medians of 96 and 381 steps), and one figure for both, learnt mostly from verifications,
   read plain decoding 9% slower than it was. A length not seen yet reads the nearest one's figure.
 
-At warm-up the engine times the shapes it will serve (EngineCore._time_steps); then every real step
+At warm-up the engine times the shapes it will serve (core/speculation.py, time_steps); then every real step
 of a known shape moves its entry towards what it took, so the table follows the contexts that grow,
 the other processes on the machine and the clocks. An entry observed at every step moves ALPHA of
 the way; one last observed n steps ago (`advance` counts them) moves 1 - (1 - ALPHA)^n, at most
