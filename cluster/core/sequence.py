@@ -30,7 +30,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the KV cache
     # With a draft: of those, the leading positions whose draft KV is written too. The draft reads a
-    # position after the target's step, or later from a backlog (engine_core.py), and the prefix cache
+    # position after the target's step, or later from a backlog (speculation.py), and the prefix cache
     # shares no block past it (num_shareable). None without a draft.
     num_drafted: int | None = None
     num_cached_prompt_tokens: int | None = None  # prompt tokens the prefix cache supplied at admission
@@ -60,7 +60,7 @@ class Sequence:
     acceptance: AcceptanceEstimate | None = field(default=None, repr=False)
     # Positions draft_backlog_start .. draft_backlog_end - 1, which the draft has not read yet: the
     # target's features there ([n, 3 * hidden] per step), kept while the request decodes without
-    # drafts (engine_core.py).
+    # drafts (speculation.py).
     draft_backlog: list[torch.Tensor] = field(default_factory=list, repr=False)
     draft_backlog_start: int = 0
     draft_backlog_end: int = 0
