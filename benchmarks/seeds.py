@@ -138,8 +138,8 @@ def measure_speeds(target: str, sections: list[str], args: argparse.Namespace) -
     verification (both under --speculative-policy, the draft compiled unless --no-compile-draft)."""
     held_out, results = held_out_prompts(), {}
 
-    def seeded(batch: int, temperature: float, seed: bool = True) -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i if seed else None,
+    def params_for(batch: int, temperature: float, seeded: bool = True) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=args.new_tokens, temperature=temperature, seed=i if seeded else None,
                                ignore_eos=True) for i in range(batch)]
 
     with LLM(target, dtype="float32") as plain, \
@@ -148,7 +148,7 @@ def measure_speeds(target: str, sections: list[str], args: argparse.Namespace) -
         if "coupling" in sections:
             prompts, rows = held_out[: args.batch], []
             for temperature in [float(t) for t in args.temperatures.split(",")]:
-                params = seeded(len(prompts), temperature)
+                params = params_for(len(prompts), temperature)
                 plain_rate, plain_tokens = measure(plain, prompts, args.new_tokens, args.repeats, params)
                 rejection_rate, _ = measure(rejection, prompts, args.new_tokens, args.repeats, params)
                 coupled_rate, coupled_tokens = measure(coupled, prompts, args.new_tokens, args.repeats, params)
@@ -169,8 +169,8 @@ def measure_speeds(target: str, sections: list[str], args: argparse.Namespace) -
                 rates = {name: [] for name in configs}
                 acceptance = {name: [] for name in configs}
                 for _ in range(args.repeats):  # interleaved rounds: a drifting host moves every config alike
-                    for name, (llm, seed) in configs.items():
-                        rate, _ = measure(llm, prompts, args.new_tokens, 1, seeded(batch, temperature, seed))
+                    for name, (llm, seeded) in configs.items():
+                        rate, _ = measure(llm, prompts, args.new_tokens, 1, params_for(batch, temperature, seeded))
                         rates[name].append(rate)
                         acceptance[name].append(llm.engine.spec_stats.acceptance_length)
                 row = {"batch": batch, "temperature": temperature}

@@ -179,8 +179,9 @@ def _draft_trace(llm: LLM, request_id: str, prompt: list[int], params: SamplingP
     return trace, finished[0]
 
 
-def _spec_options(draft) -> dict:
-    return dict(dtype="float32", block_size=BLOCK, draft=str(draft), num_speculative_tokens=3, compile_draft=False)
+def _spec_options(draft, speculation: str = "default") -> dict:
+    """One request at a time: the crowd's speculation settings, float32, blocks of BLOCK."""
+    return dict(dtype="float32", block_size=BLOCK, **_options(speculation, draft))
 
 
 def _assert_same_drafts(warm, cold) -> None:
@@ -212,21 +213,21 @@ def test_a_prefix_cache_hit_leaves_the_draft_proposals_unchanged(target, draft, 
     _assert_same_drafts(warm, cold)
 
 
-@pytest.mark.parametrize("policy", ["adaptive", "fixed"])
-def test_a_next_turn_hits_only_blocks_the_draft_has_read(target, draft, policy):
+@pytest.mark.parametrize("speculation", ["default", "fixed"])
+def test_a_next_turn_hits_only_blocks_the_draft_has_read(target, draft, speculation):
     """A conversation's next turn B sends A's prompt and output back with more. The target's KV of A's
-    last step is cached, but the draft never reads a finished request's last step, nor (adaptive) a
-    never-drafting request's backlog: B hits only blocks that hold the draft's KV too, and its
-    proposals equal a cold cache's. A's 9 + 12 tokens: its last step computes position 19, the last of
-    block 4, whose next token (A's last) is known."""
+    last step is cached, but the draft never reads a finished request's last step, nor (adaptive, the
+    default) a never-drafting request's backlog: B hits only blocks that hold the draft's KV too, and
+    its proposals equal a cold cache's. A's 9 + 12 tokens: its last step computes position 19, the
+    last of block 4, whose next token (A's last) is known."""
     a_params = SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.3, seed=3, ignore_eos=True)
     a = list(range(20, 20 + 2 * BLOCK + 1))
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
-    with LLM(str(target), **_spec_options(draft), speculative_policy=policy) as llm:
+    with LLM(str(target), **_spec_options(draft, speculation)) as llm:
         a_out = llm.generate([a], a_params)[0]
         b = a + a_out.token_ids + [60, 61, 62]
         warm, warm_out = _draft_trace(llm, "b", b, params)
-    with LLM(str(target), **_spec_options(draft), speculative_policy=policy) as llm:
+    with LLM(str(target), **_spec_options(draft, speculation)) as llm:
         cold, cold_out = _draft_trace(llm, "b", b, params)
     assert warm_out.metrics["cached_prompt_tokens"] >= 2 * BLOCK  # A's prompt, read by the draft at once
     assert warm_out.token_ids == cold_out.token_ids
