@@ -30,12 +30,12 @@ def unloaded_draft(path, target, embed_tokens, dtype, aux_layer_offset=0):
 def engine(mode: str, folder: str, with_draft: bool) -> None:
     from warpspec.entrypoints.llm import LLM
     from warpspec.sampling_params import SamplingParams
-    from warpspec.spec_decode import draft_loader
+    from warpspec.spec_decode import methods
     from warpspec.workers import loader
 
     if mode == "unloaded":
         loader.load_tensors = lambda params, files, config, model_dir, after_file: 0
-        draft_loader.load_eagle3 = unloaded_draft
+        methods.load_eagle3 = unloaded_draft
     draft = {"draft": "assets/tiny-maverick-eagle3"} if with_draft else {}
     start = time.perf_counter()
     llm = LLM("assets/tiny-maverick", dtype="float32", enforce_eager=mode == "eager", compile_cache=folder,

@@ -46,6 +46,13 @@ PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 COMM_BACKENDS = ("auto", "gloo", "shm", "nccl")
 MOE_PARALLEL_MODES = ("tensor", "expert")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
+# The drafters speculative.method may name, and what each reads. spec_decode/methods.py loads each
+# (a test holds the two tables to the same names).
+SPECULATIVE_METHODS = {
+    "eagle3": "an EAGLE-3 draft model, its folder named by draft",
+    "ngram": "prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens "
+             "(prompt_lookup_max down to prompt_lookup_min) in the request's own text; no draft model",
+}
 MAX_SPECULATIVE_TOKENS = 16  # drafts one verification step may hold
 
 
@@ -95,7 +102,9 @@ class ParallelConfig:
 
 @dataclass
 class SpeculativeConfig:
-    draft: str | None = None  # an EAGLE-3 checkpoint folder; None: no speculation
+    # The drafter (SPECULATIVE_METHODS); None: eagle3 when a draft folder is given, else no speculation.
+    method: str | None = None
+    draft: str | None = None  # an EAGLE-3 checkpoint folder (method eagle3)
     num_speculative_tokens: int = 3  # k draft tokens verified per target step
     # 0 when the checkpoint's eagle_aux_hidden_state_layer_ids follow vLLM (id i = the stream entering
     # layer i), 1 for checkpoints configured in SGLang's convention (one lower for the same layers).
@@ -109,8 +118,27 @@ class SpeculativeConfig:
     # (spec_decode/draft_length.py), so that the draft never makes a step slower than plain decoding
     # would be; fixed: num_speculative_tokens at every step.
     speculative_policy: str = "adaptive"
+    # ngram: the longest suffix of the text so far (at most prompt_lookup_max tokens, at least
+    # prompt_lookup_min) that occurred before proposes what followed it (spec_decode/ngram.py).
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
 
     def __post_init__(self) -> None:
+        if self.method is None and self.draft is not None:
+            self.method = "eagle3"
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)} (or unset: no "
+                             f"speculation without a draft), got {self.method!r}")
+        if self.method == "eagle3" and self.draft is None:
+            raise ValueError("speculative_method 'eagle3' needs draft, the EAGLE-3 checkpoint folder")
+        if self.method != "eagle3" and self.draft is not None:
+            raise ValueError(f"draft is read by speculative_method 'eagle3' only, not {self.method!r}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} must be a positive integer, got {n!r}")
+        if low > high:
+            raise ValueError(f"prompt_lookup_min must be at most prompt_lookup_max ({high}), got {low}")
         if self.speculative_policy not in SPECULATIVE_POLICIES:
             raise ValueError(f"speculative_policy must be one of {', '.join(SPECULATIVE_POLICIES)}, "
                              f"got {self.speculative_policy!r}")
@@ -122,7 +150,15 @@ class SpeculativeConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.draft is not None
+        return self.method is not None
+
+    def describe(self) -> str | None:
+        """The drafter, as logs, metrics and model cards name it: "eagle3 (<folder>)", "ngram (n 2-5)"."""
+        if self.method == "eagle3":
+            return f"eagle3 ({self.draft})"
+        if self.method == "ngram":
+            return f"ngram (n {self.prompt_lookup_min}-{self.prompt_lookup_max})"
+        return self.method
 
 
 @dataclass

@@ -21,6 +21,7 @@ from warpspec.config.engine import (
     EXECUTORS,
     MOE_PARALLEL_MODES,
     PLACEMENT_STRATEGIES,
+    SPECULATIVE_METHODS,
     SPECULATIVE_POLICIES,
     EngineConfig,
     ParallelConfig,
@@ -108,6 +109,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "routed experts split by width over all ranks (tensor) or whole per rank (expert)",
                  MOE_PARALLEL_MODES),
     # Speculative decoding.
+    EngineOption("speculative_method", "speculative.method", str, None,
+                 "the drafter: eagle3 (a draft model, default when draft is given) or ngram (prompt lookup in the "
+                 "request's own text, no draft model); unset without a draft: no speculation",
+                 tuple(SPECULATIVE_METHODS)),
     EngineOption("draft", "speculative.draft", str, None, "an EAGLE-3 draft folder: speculative decoding"),
     EngineOption("num_speculative_tokens", "speculative.num_speculative_tokens", int,
                  SpeculativeConfig.num_speculative_tokens, "draft tokens verified per target step"),
@@ -122,6 +127,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("coupled_verification", "speculative.coupled_verification", bool,
                  SpeculativeConfig.coupled_verification,
                  "sampled requests verified by Gumbel-max coupling: a seeded request's tokens as without the draft"),
+    EngineOption("prompt_lookup_min", "speculative.prompt_lookup_min", int, SpeculativeConfig.prompt_lookup_min,
+                 "ngram: the shortest suffix of the text so far looked up in it"),
+    EngineOption("prompt_lookup_max", "speculative.prompt_lookup_max", int, SpeculativeConfig.prompt_lookup_max,
+                 "ngram: the longest suffix looked up (the longest match found proposes)"),
 )
 BY_NAME = {option.name: option for option in ENGINE_OPTIONS}
 SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,

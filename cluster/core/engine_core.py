@@ -45,7 +45,7 @@ from warpspec.sample.rejection_sampler import verify_batch
 from warpspec.sample.sampler import sample, top_logprobs
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.cost_model import StepCostModel
-from warpspec.spec_decode.draft_loader import load_eagle3_proposer
+from warpspec.spec_decode.methods import load_proposer
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
 from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.structured_output.grammar import masked
@@ -88,9 +88,10 @@ class EngineCore:
                  startup: StartupTimer | None = None):
         """executor: where steps run (executor/: a LocalExecutor in this process, or the coordinator's
         DriverExecutor over Ray workers). proposer: drafts for speculative decoding; None loads the
-        EAGLE-3 draft that config names (and none without one). A given proposer speculates
-        config.speculative.num_speculative_tokens tokens whatever the config's draft. startup: the
-        phases timed so far (the executor's); the core adds the draft and the compiles (startup.py)."""
+        drafter config.speculative.method names (spec_decode/methods.py; none without one). A given
+        proposer speculates config.speculative.num_speculative_tokens tokens whatever the config's
+        method. startup: the phases timed so far (the executor's); the core adds the draft and the
+        compiles (startup.py)."""
         self.config = config
         self.startup = startup if startup is not None else StartupTimer()
         self.executor = executor
@@ -180,18 +181,18 @@ class EngineCore:
         self.left_request_ids.append(request_id)
         if with_draft:  # its features at p with the token at p + 1, the last one as if sampled
             request = DraftRequest(request_id, token_ids[1:], 0, 0, self.draft_lengths.max_drafts, table, 0.0,
-                                   KeyedRandom(0))
+                                   KeyedRandom(0), context=token_ids)
             self.proposer.propose([request], output.aux_hidden)
             self.proposer.release([request_id])
         return f"{num_tokens} tokens"
 
     def _load_proposer(self) -> Proposer:
-        # With one shard (in this process, or the coordinator's only one) the draft shares the
+        # With one shard (in this process, or the coordinator's only one) a draft model shares the
         # target's embedding table; over more, the executor has no whole table (no runner) and the
         # draft reads it from the checkpoint.
         runner = getattr(self.executor, "runner", None)
-        return load_eagle3_proposer(self.config, self.model_config, self.executor.num_blocks,
-                                    None if runner is None else runner.model.model.embed_tokens.weight)
+        return load_proposer(self.config, self.model_config, self.executor.num_blocks,
+                             None if runner is None else runner.model.model.embed_tokens.weight)
 
     # ---- requests -------------------------------------------------------------------------------
 

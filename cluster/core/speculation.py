@@ -94,12 +94,13 @@ class Speculation:
                     if self.times_gpu_steps:
                         torch.cuda.synchronize()
                     target.append(time.perf_counter() - start)
-                    features = torch.cat(output.aux_hidden, dim=-1)
-                    features = features[:1].expand(b * num_positions, -1).contiguous()
+                    features = [torch.cat(output.aux_hidden, dim=-1)[:1].expand(b * num_positions, -1).contiguous()
+                                ] if output.aux_hidden else []  # a proposer reading no layers gets none
                     requests = [DraftRequest(ids[i], [0] * num_positions, 0, i * num_positions, num_drafts, table,
-                                             0.0, KeyedRandom(0)) for i in range(b)]
+                                             0.0, KeyedRandom(0), context=[0] * (num_positions + 1))
+                                for i in range(b)]
                     start = time.perf_counter()
-                    self.proposer.propose(requests, [features])  # its drafts come back as lists: waited for
+                    self.proposer.propose(requests, features)  # its drafts come back as lists: waited for
                     draft.append((time.perf_counter() - start) / share)
                 self.step_costs.set("target", b, q, min(target))
                 self.step_costs.set("draft", b, num_drafts, min(draft))
@@ -160,7 +161,7 @@ class Speculation:
             requests.append(DraftRequest(
                 seq.request_id, seq.all_token_ids[first + 1 : first + 1 + valid], first, feature_start, 0,
                 self.block_manager.block_tables[seq.request_id], seq.params.temperature,
-                seq.random, self.config.speculative.coupled_verification, seq.grammar))
+                seq.random, self.config.speculative.coupled_verification, seq.grammar, seq.all_token_ids))
             live.append(item)
         decoding = [i for i, item in enumerate(live) if item.samples]
         wants = [self._draft_want(live[i].seq) for i in decoding]

@@ -30,7 +30,8 @@ def verify_batch(target_logits: torch.Tensor, row_starts: list[int], draft_ids: 
 
     Sequence i has k_i = len(draft_ids[i]) drafts and k_i + 1 rows of target_logits [num_rows, vocab]
     from row_starts[i]: the positions of [last token, d1, ..., dk]. draft_probs[i] [k_i, vocab] is the
-    q its drafts were sampled from (None for greedy, and unused when coupled). positions[i] is the
+    q its drafts were sampled from (unused when coupled); None for a greedy request, or drafts a
+    deterministic drafter chose (spec_decode/ngram.py): q all on each draft. positions[i] is the
     position of sequence i's first draft. Returns per sequence the 1..k_i + 1 tokens to append: the
     accepted drafts, then the correction or bonus token.
 
@@ -94,7 +95,7 @@ def _verify_greedy(target_logits: torch.Tensor, rows: torch.Tensor, drafts: torc
 
 
 def _verify_by_rejection(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.Tensor,
-                         draft_probs: list[torch.Tensor], randoms: list[KeyedRandom],
+                         draft_probs: list[torch.Tensor | None], randoms: list[KeyedRandom],
                          positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """p [num_seqs, k_max + 1, vocab] target distributions at each sequence's positions; drafts and
     is_draft [num_seqs, k_max]. Returns the number of accepted drafts and the final token, per sequence."""
@@ -107,7 +108,10 @@ def _verify_by_rejection(p: torch.Tensor, drafts: torch.Tensor, is_draft: torch.
     for row, (probs, random, first, k) in enumerate(zip(draft_probs, randoms, positions, num_drafts, strict=True)):
         if not k:
             continue
-        q[row, :k] = probs[:k].to(device)
+        if probs is None:  # deterministic drafts: accepted with probability p(d), residual p without d
+            q[row, torch.arange(k, device=device), drafts[row, :k]] = 1.0
+        else:
+            q[row, :k] = probs[:k].to(device)
         uniforms[row, :k] = torch.cat([torch.rand(1, generator=random.generator(first + j, Purpose.ACCEPT))
                                        for j in range(k)]).to(device)
     d = drafts[..., None]

@@ -86,7 +86,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         parallel layout (num_workers, one GPU each; executor; dispatch; core_reply_interval_ms;
         comm_backend; moe_parallel;
         placement_timeout_s: how long a new replica's gang may wait for a node; placement_strategy is
-        accepted but a replica is always one STRICT_PACK gang), the draft (draft, num_speculative_tokens,
+        accepted but a replica is always one STRICT_PACK gang), speculation (speculative_method: eagle3
+        with a draft folder, or ngram with prompt_lookup_min and prompt_lookup_max; num_speculative_tokens,
         aux_layer_offset, compile_draft, coupled_verification, speculative_policy), enforce_eager,
         cuda_graph_batch_sizes, seed, run_dir, compile_cache (the compiled steps' folder).
 

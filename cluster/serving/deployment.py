@@ -120,7 +120,7 @@ class WarpspecServer:
         show_startup_log()
         llm = await AsyncLLM.create(settings.model, **settings.engine)
         metrics = ServingMetrics(settings.model_name or llm.config.model.rstrip("/").split("/")[-1],
-                                 llm.config.speculative.draft, settings.min_acceptance_length)
+                                 llm.config.speculative.describe(), settings.min_acceptance_length)
         self.tracing = configure_tracing(settings.otlp_traces_endpoint)
         self.frontend = ReplicaFrontend(llm, settings.model_name, metrics, settings.stream_interval,
                                       stream_gap_s=settings.stream_gap_ms / 1000,

@@ -66,8 +66,9 @@ class GenerationService:
         reject_unknown_fields(request, "GetModelInfoRequest")
         d = self.frontend.description
         return pb.ModelInfo(model=d.name, model_path=d.path, max_model_len=d.max_model_len,
-                            num_workers=d.num_workers, draft=d.draft or "",
-                            num_speculative_tokens=d.num_speculative_tokens if d.draft else 0,
+                            num_workers=d.num_workers, draft=d.drafter or "",
+                            speculative_method=d.speculative_method or "",
+                            num_speculative_tokens=d.num_speculative_tokens if d.drafter else 0,
                             vocab_size=d.vocab_size, dtype=d.dtype)
 
     def health_check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse:

@@ -95,14 +95,14 @@ class AcceptanceWatch:
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str, draft: str | None = None, min_acceptance_length: float = 0.0):
-        """draft: the draft's checkpoint, named in the low-acceptance warning; min_acceptance_length:
-        below it over the last minute the warning fires (0: never)."""
+    def __init__(self, model_name: str, drafter: str | None = None, min_acceptance_length: float = 0.0):
+        """drafter: named in the low-acceptance warning (SpeculativeConfig.describe: "eagle3 (<folder>)");
+        min_acceptance_length: below it over the last minute the warning fires (0: never)."""
         from ray.util import metrics
 
         tags = ("model",)
         self.default_tags = {"model": model_name}
-        self.model_name, self.draft = model_name, draft
+        self.model_name, self.drafter = model_name, drafter
         self.watch = AcceptanceWatch(min_acceptance_length)
         self.is_low = False
         self.counted_drafted: list[int] = []  # per position, what the counters hold so far
@@ -194,8 +194,8 @@ class ServingMetrics:
         is_low = self.watch.is_low(recent)
         if is_low and not self.is_low:
             logger.warning("acceptance length %.2f over the last %g s is below min_acceptance_length %g: is the "
-                           "draft %s made for the target %s? Each step pays for drafts it does not keep",
-                           recent, self.watch.window_s, self.watch.min_acceptance_length, self.draft,
+                           "drafter %s made for the target %s? Each step pays for drafts it does not keep",
+                           recent, self.watch.window_s, self.watch.min_acceptance_length, self.drafter,
                            self.model_name)
         self.is_low = is_low
         self.low_acceptance.set(int(is_low))

@@ -52,7 +52,8 @@ class ModelDescription:
     path: str
     max_model_len: int
     num_workers: int
-    draft: str | None
+    drafter: str | None  # SpeculativeConfig.describe(): "eagle3 (<folder>)", "ngram (n 2-5)"; None: no drafts
+    speculative_method: str | None
     num_speculative_tokens: int
     vocab_size: int
     dtype: str
@@ -85,7 +86,8 @@ class ReplicaFrontend:
         self.description = ModelDescription(
             name=model_name or Path(config.model).name, path=config.model,
             max_model_len=llm.max_model_len, num_workers=config.parallel.num_workers,
-            draft=config.speculative.draft, num_speculative_tokens=config.speculative.num_speculative_tokens,
+            drafter=config.speculative.describe(), speculative_method=config.speculative.method,
+            num_speculative_tokens=config.speculative.num_speculative_tokens,
             vocab_size=llm.vocab_size, dtype=config.dtype)
         self.metrics = metrics
         # Set when a step failed for reasons other than load (a dead worker): the replica cannot serve

@@ -1,8 +1,8 @@
 """The proposer interface of speculative decoding: after each target step, bring the proposer up to
 date on the positions the target kept and ask it for the next draft tokens of every decoding sequence.
-EAGLE-3 is one implementation (eagle3.py); it runs beside the engine core, wherever the core
-runs (the caller's process with one worker, the coordinator actor with Ray workers; draft_loader.py
-loads it for both). n-gram or MTP proposers fit behind the same methods.
+Each drafter implements it in its own module (eagle3.py, ngram.py) and is named by one line of
+methods.py. It runs beside the engine core, wherever the core runs (the caller's process with one
+worker, the coordinator actor with Ray workers).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class DraftRequest:
     # A structured output's matcher, after the request's last known token: drafts only what it allows
     # (and leave it where it was).
     grammar: LLMatcher | None = field(default=None, repr=False)
+    # The request's tokens from position 0, through the last known one at least (a prompt's later
+    # chunks may follow it): read during the call, never kept (the list is the engine's own).
+    context: list[int] = field(default_factory=list, repr=False)
 
     @property
     def num_positions(self) -> int:
@@ -51,6 +54,7 @@ class DraftRequest:
 class Drafts:
     token_ids: list[int]  # target vocabulary ids
     # [num_drafts, target_vocab] when sampled by rejection sampling's rules: what they were drawn from.
+    # None: chosen greedily or by a deterministic rule (verification reads q as all on each draft).
     probs: torch.Tensor | None = None
 
 

@@ -32,7 +32,7 @@ SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "devi
           "placement_timeout_s": 4.5, "core_reply_interval_ms": 0.0, "comm_backend": "gloo",
           "moe_parallel": "expert", "draft": "d", "num_speculative_tokens": 5, "aux_layer_offset": 1,
           "compile_draft": False, "coupled_verification": True,
-          "speculative_policy": "fixed"}
+          "speculative_policy": "fixed", "speculative_method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def _field(config: EngineConfig, path: str):
@@ -110,6 +110,9 @@ def test_a_bad_flag_value_names_the_option():
     ("cuda_graph_batch_sizes", (0, 2), "0,2", "cuda_graph_batch_sizes must be positive integers"),
     ("cuda_graph_batch_sizes", (), "x", "cuda_graph_batch_sizes must be"),
     ("executor", "threads", "threads", "executor must be one of auto, local, ray, got 'threads'"),
+    ("speculative_method", "medusa", "medusa", "speculative_method must be one of eagle3, ngram .*got 'medusa'"),
+    ("prompt_lookup_min", 6, "6", r"prompt_lookup_min must be at most prompt_lookup_max \(5\), got 6"),
+    ("prompt_lookup_max", 0, "0", "prompt_lookup_max must be a positive integer, got 0"),
 ])
 def test_bad_values_are_refused_naming_the_option(option, value, text, message):
     """From Python, and as a serve arg (before `warpspec serve` touches Ray)."""

@@ -83,7 +83,8 @@ def test_tokenize_and_model_info(stub, reference_llm, serving_stack):
     assert len(reply.tokens) == len(reply.token_ids)
 
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-    assert (info.model, info.max_model_len, info.num_workers, info.draft) == ("tiny", 512, 1, "")
+    assert (info.model, info.max_model_len, info.num_workers, info.draft, info.speculative_method) == (
+        "tiny", 512, 1, "", "")
     assert info.model_path == str(serving_stack.model_path) and info.vocab_size == 512
 
 

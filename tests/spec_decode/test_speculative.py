@@ -234,13 +234,17 @@ def test_mismatched_drafts_are_refused(target, tmp_path, kwargs, message):
         LLM(str(target), dtype="float32", draft=str(path), compile_draft=False)
 
 
-def test_speculation_over_ray_workers(ray_cluster, target, draft, reference):
-    """The engine core and the draft run in the coordinator actor, on the hidden states rank 0 returns
-    through the compiled graph, with the target's embedding table read from the checkpoint (workers
-    hold only shards); the replica gets token ids back."""
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+def test_speculation_over_ray_workers(ray_cluster, target, draft, reference, method):
+    """The engine core and the drafter run in the coordinator actor: EAGLE-3 on the hidden states
+    rank 0 returns through the compiled graph, with the target's embedding table read from the
+    checkpoint (workers hold only shards); prompt lookup on the tokens alone. The replica gets token
+    ids back."""
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
-    with LLM(str(target), dtype="float32", draft=str(draft), compile_draft=False, num_workers=2) as llm:
-        assert isinstance(llm.engine, RayCoreClient) and llm.engine.coordinator.info.draft_aux_layer_ids
+    drafter = dict(draft=str(draft), compile_draft=False) if method == "eagle3" else dict(speculative_method=method)
+    with LLM(str(target), dtype="float32", num_workers=2, **drafter) as llm:
+        assert isinstance(llm.engine, RayCoreClient)
+        assert bool(llm.engine.coordinator.info.draft_aux_layer_ids) == (method == "eagle3")
         outs = llm.generate(_prompts(), GREEDY)
         assert llm.engine.spec_stats.num_verify_steps > 0
         # A seeded sampled request is reproducible whatever else is in its batch, with the drafts

@@ -163,7 +163,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_path", "max_model_len", "num_workers", "draft", "num_speculative_tokens", "vocab_size", "dtype")
+    __slots__ = ("model", "model_path", "max_model_len", "num_workers", "draft", "num_speculative_tokens", "vocab_size", "dtype", "speculative_method")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class ModelInfo(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_path: str
     max_model_len: int
@@ -180,4 +181,5 @@ class ModelInfo(_message.Message):
     num_speculative_tokens: int
     vocab_size: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_workers: _Optional[int] = ..., draft: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    speculative_method: str
+    def __init__(self, model: _Optional[str] = ..., model_path: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_workers: _Optional[int] = ..., draft: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., speculative_method: _Optional[str] = ...) -> None: ...

@@ -1,6 +1,7 @@
-"""Loading the EAGLE-3 draft as a proposer, wherever the engine runs: in the replica's process
-beside a one-rank target (sharing its embedding table), or inside the coordinator actor beside rank
-0's hidden states (reading the table from the checkpoint)."""
+"""The drafters speculative.method names, each built into a proposer wherever the engine core runs
+(the replica's process beside a one-rank target, or the coordinator actor beside rank 0). A new
+drafter is its own module plus one line of PROPOSERS (and its name in config's SPECULATIVE_METHODS,
+with what it reads: a test holds the two to the same names)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,22 @@ import torch
 
 from warpspec.config.engine import EngineConfig
 from warpspec.spec_decode.eagle3 import Eagle3Proposer, scratch_reserve
+from warpspec.spec_decode.ngram import NgramProposer
+from warpspec.spec_decode.proposer import Proposer
 from warpspec.workers.compile_cache import open_compile_cache
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+def load_proposer(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
+                  embed_tokens: torch.Tensor | None = None) -> Proposer:
+    """The proposer config.speculative.method names, for a target of model_config whose KV cache holds
+    num_blocks blocks. embed_tokens: the target's embedding table when it is in this process (a draft
+    model may share it; else it reads it from the checkpoint)."""
+    return PROPOSERS[config.speculative.method](config, model_config, num_blocks, embed_tokens)
 
 
 def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
@@ -38,6 +49,11 @@ def load_eagle3_proposer(config: EngineConfig, model_config: ModelConfig, num_bl
                                                          config.cache.block_size))
 
 
+def load_ngram_proposer(config: EngineConfig, model_config: ModelConfig, num_blocks: int,
+                        embed_tokens: torch.Tensor | None = None) -> NgramProposer:
+    return NgramProposer(config.speculative.prompt_lookup_min, config.speculative.prompt_lookup_max)
+
+
 def draft_device(target_device: str) -> torch.device:
     """The draft runs on the target's device when this process can see it: in the engine's process
     beside a one-rank target, or in a coordinator that Ray gave a GPU. A coordinator without one
@@ -47,3 +63,9 @@ def draft_device(target_device: str) -> torch.device:
         logger.warning("the EAGLE-3 draft runs on the CPU: this process sees no GPU (target on %s)", target_device)
         return torch.device("cpu")
     return device
+
+
+PROPOSERS = {
+    "eagle3": load_eagle3_proposer,
+    "ngram": load_ngram_proposer,
+}
