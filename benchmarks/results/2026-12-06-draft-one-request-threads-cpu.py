@@ -28,7 +28,7 @@ def engine(draft_threads: int | None) -> LLM:
     finally:
         eagle3.graph_thread_count = rule
     print(f"draft graphs' threads ({'the rule' if draft_threads is None else draft_threads}):",
-          llm.engine.proposer.thread_counts)
+          llm.engine.proposer.graphs.thread_counts)
     return llm
 
 

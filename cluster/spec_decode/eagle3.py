@@ -40,92 +40,33 @@ did, the dense halves compiled.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import warnings
-from collections.abc import Callable, Hashable
 
 import torch
-from tqdm import tqdm
 
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant
 from warpspec.sample.sampler import exponential_noise, greedy_tokens
+from warpspec.spec_decode.draft_runner import (
+    CompiledWithFallback,
+    DraftGraphs,
+    GraphKey,
+    GraphToBuild,
+    dense_half_graph,
+    mark_rows_dynamic,
+    tables_with_scratch,
+    with_blocks,
+)
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.structured_output.grammar import allowed_next, masked
-from warpspec.workers.compile_helpers import build_in_helpers
-from warpspec.workers.compiled_step import (
-    MIN_BLOCKS,
-    CountingCompiler,
-    step_marker,
-    widen_block_tables,
-)
-from warpspec.workers.cpu_threads import fastest_thread_count, graph_thread_count, torch_threads
+from warpspec.workers.compiled_step import MIN_BLOCKS, CountingCompiler, step_marker, widen_block_tables
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
 from warpspec.workers.eagle3 import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
 from warpspec.workers.step_artifacts import StepArtifacts, module_identity
-from warpspec.workers.torch_internals import mark_dynamic, without_duck_shapes
+from warpspec.workers.torch_internals import mark_dynamic
 
-GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in Eagle3Proposer.thread_counts
-
-
-def dense_half_graph(args: tuple[torch.Tensor, ...]) -> tuple:
-    """The key of a dense half's saved graph: what it specializes on besides the weights its name
-    holds. Each argument's sizes after the first and its dtype (before_attention's features are the
-    target's three layers or the draft's own output, and it branches on which), and whether it runs
-    one row: the graph for two or more keeps the row count symbolic, and one row is a size torch
-    specializes on, so that call gets a graph of its own."""
-    return tuple((tuple(t.shape[1:]), str(t.dtype)) for t in args), args[0].shape[0] == 1
-
-
-def mark_rows_dynamic(args: tuple[torch.Tensor, ...]) -> None:
-    """A dense half's CountingCompiler mark_dynamic: the token count, its arguments' first size."""
-    for tensor in args:
-        if tensor.shape[0] > 1:
-            mark_dynamic(tensor, 0)
-
-
-class CompiledWithFallback:
-    """torch.compile of a tensors-in, tensors-out function; if compiling or running the compiled
-    code fails, warn once and run the function eagerly from then on."""
-
-    def __init__(self, fn, name: str, compiled=None, graph_of: Callable[[tuple], Hashable] | None = None):
-        """compiled: fn compiled another way than with dynamic shapes throughout. With dynamic
-        shapes, duck shaping is off: the warm-up's token count (2 catch-ups) can equal a size the
-        weights fix (head_dim / 2 for the rotary table), and sharing its symbol fixed the count, so
-        the first prompt of another length compiled on the request path. graph_of: the graph key of
-        a call made without one (a dense half's, whose compiler marks its rows dynamic), traced
-        without duck shapes for the same reason."""
-        self.eager, self.name = fn, name
-        self.compiled = compiled or torch.compile(fn, dynamic=True)
-        self.graph_of = graph_of
-        self.tracing = contextlib.nullcontext if compiled is not None and graph_of is None else without_duck_shapes
-        self.failed = False
-
-    def __call__(self, *args: torch.Tensor, graph: Hashable | None = None):
-        """graph: the key of the step's graph, for a CountingCompiler (its direct calls). Inside a
-        graph being compiled (a whole draft step) fn is traced as it is: a saved step graph's guards
-        would otherwise hold this torch.compile, which does not pickle (workers/step_artifacts.py)."""
-        if torch.compiler.is_compiling():
-            return self.eager(*args)
-        if graph is None and self.graph_of is not None:
-            graph = self.graph_of(args)
-        if not self.failed:
-            try:
-                with self.tracing():
-                    return self.compiled(*args) if graph is None else self.compiled(*args, graph=graph)
-            except Exception as error:  # noqa: BLE001 - any compiler failure means: run eagerly
-                warnings.warn(f"torch.compile of {self.name} failed ({type(error).__name__}: {error}); "
-                              "running it eagerly", stacklevel=2)
-                self.failed = True
-        return self.eager(*args)
-
-
-def scratch_reserve(max_num_seqs: int, num_speculative_tokens: int, block_size: int) -> int:
-    """Scratch blocks that a step of max_num_seqs requests can need (_with_scratch), with a spare one:
-    a request's draft steps and padded catch-up write at most 2k + 1 positions past its table."""
-    return max_num_seqs * (-(-(2 * num_speculative_tokens + 1) // block_size) + 1) + 1
+GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in DraftGraphs.thread_counts
 
 
 class Eagle3Proposer:
@@ -138,7 +79,8 @@ class Eagle3Proposer:
         cuda_graphs: on a CUDA device (compiled, not deterministic), replay greedy proposals of these
         batch sizes and lengths as CUDA graphs (workers/draft_cuda_graphs.py); on a CPU, a largest
         batch size of 1 (max_num_seqs 1) leaves out the compiled steps' graphs for several requests.
-        scratch_blocks: room for scratch blocks after the engine's, made up front (scratch_reserve):
+        scratch_blocks: room for scratch blocks after the engine's, made up front
+        (draft_runner.scratch_reserve):
         the cache grows past them only when a step needs more, and growing copies the whole cache
         (2 GiB of a small model's default one took most of an engine's warm-up)."""
         c = draft.config
@@ -167,9 +109,8 @@ class Eagle3Proposer:
         if cuda_graphs is not None and compile and not deterministic and self.device.type == "cuda":
             self.draft_graphs = DraftGraphRunner(self._greedy_proposal_forward, cuda_graphs.batch_sizes,
                                                  -(-cuda_graphs.max_model_len // block_size), block_size)
-        # (graph, one request) -> the thread count it runs with (workers/cpu_threads.py); the graph is
-        # the query length of a step graph, or GREEDY_PROPOSAL.
-        self.thread_counts: dict[tuple[int | str, bool], int] = {}
+        # Keyed by (the query length of a step graph, or GREEDY_PROPOSAL; whether it runs one request).
+        self.graphs = DraftGraphs()
         if compile and not deterministic:
             artifacts = None
             if self.device.type == "cpu":
@@ -206,7 +147,7 @@ class Eagle3Proposer:
     def _run(self, plan: list[SequenceStep], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         step = StepInput.build(plan, self.block_size).to(self.device)
         if self.compiled_decode is not None and step.max_query_len == 1:
-            logits, prenorm = self._run_compiled(self.compiled_decode, self._compiled_inputs(step, features),
+            logits, prenorm = self.graphs.run(self.compiled_decode, self._compiled_inputs(step, features),
                                                  self._graph_of(step))
         else:
             meta = PagedAttentionMetadata(step.query_start_loc, step.seq_lens, step.block_tables, self.block_size,
@@ -231,7 +172,7 @@ class Eagle3Proposer:
         """The padded catch-up as one compiled step; the logits and pre-norm output at the last real
         position of each request that wants drafts (as _run returns them)."""
         step, features, last = self._padded_catch_up(requests, features, tables)
-        logits, prenorm = self._run_compiled(self.compiled_catch_up, self._compiled_inputs(step, features, last),
+        logits, prenorm = self.graphs.run(self.compiled_catch_up, self._compiled_inputs(step, features, last),
                                              self._graph_of(step))
         wants_drafts = torch.tensor([bool(r.num_drafts) for r in requests], device=self.device)
         return logits[wants_drafts], prenorm[wants_drafts]
@@ -252,7 +193,7 @@ class Eagle3Proposer:
                 return drafts.tolist()
         if self.compiled_greedy_proposal is None:  # a GPU proposal the graphs do not take
             return self._greedy_proposal_forward(*inputs).tolist()
-        return self._run_compiled(self.compiled_greedy_proposal, inputs, (GREEDY_PROPOSAL, len(requests) == 1)).tolist()
+        return self.graphs.run(self.compiled_greedy_proposal, inputs, (GREEDY_PROPOSAL, len(requests) == 1)).tolist()
 
     def _greedy_proposal_args(self, requests: list[DraftRequest], features: torch.Tensor,
                               tables: list[list[int]]) -> tuple[torch.Tensor, ...]:
@@ -261,11 +202,6 @@ class Eagle3Proposer:
         # The whole tables, not the catch-up's: the steps after it write up to k - 1 positions further.
         full_tables = padded_block_tables(tables, max(MIN_BLOCKS, max(map(len, tables))))
         return self._greedy_proposal_inputs(step, features, full_tables.to(self.device), last)
-
-    def _run_compiled(self, compiled: CompiledWithFallback, inputs: tuple[torch.Tensor, ...],
-                      graph: tuple[int | str, bool]):
-        with torch_threads(self.thread_counts.get(graph, torch.get_num_threads())):
-            return compiled(*inputs, graph=graph)
 
     @staticmethod
     def _compiled_inputs(step: StepInput, features: torch.Tensor,
@@ -284,7 +220,7 @@ class Eagle3Proposer:
                 step.slot_mapping, last)
 
     @staticmethod
-    def _graph_of(step: StepInput) -> tuple[int, bool]:
+    def _graph_of(step: StepInput) -> GraphKey:
         return step.max_query_len, len(step.seq_lens) == 1
 
     # Two entry points over _uniform_forward, not one with the query length as an argument: each
@@ -346,34 +282,19 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Build the compiled graphs before the first request needs them: the padded catch-up, the
-        decode step and the greedy proposal, each for one request and (unless requests run one at a
-        time: several_requests) for two, each with its thread count, chosen first since a graph
-        guards on the count it was built with (workers/cpu_threads.graph_thread_count, as the
-        target's); then the dense halves a prompt's catch-up runs. The steps write into the first
-        blocks, which no request holds yet. Then the step graphs check only the guards that tell
-        them apart (CountingCompiler.seal). A cold start first builds the graphs the compile cache
-        lacks several at once, in helper processes (workers/compile_helpers.py), the dense halves'
-        with them (one prompt's catch-up builds both)."""
+        """Build the compiled graphs before the first request needs them (DraftGraphs.warm_up): the
+        padded catch-up, the decode step and the greedy proposal, each for one request and (unless
+        requests run one at a time: several_requests) for two; then the dense halves a prompt's
+        catch-up runs. The steps write into the first blocks, which no request holds yet. Then the
+        step graphs check only the guards that tell them apart (CountingCompiler.seal)."""
         if self.compiled_decode is None:
             return
         graphs = [entry for one in ((True, False) if self.several_requests else (True,))
                   for entry in self._warm_up_graphs(1 if one else 2)]
-        for graph, compiled, eager, inputs in graphs:
-            self.thread_counts[graph] = graph_thread_count(
-                1 if graph[1] else 2, compiled.compiled.saved_thread_count(graph),
-                lambda eager=eager, inputs=inputs: fastest_thread_count(lambda: eager(*inputs)))
         # The longest builds first, so that none starts last: the greedy proposals (k - 1 steps
         # unrolled), then the catch-ups, each for several requests (dynamic sizes) before one.
-        by_length = sorted(graphs, key=lambda entry: (entry[0][0] != GREEDY_PROPOSAL, entry[0][0] == 1, entry[0][1]))
-        missing = [functools.partial(self._build_graph, compiled.compiled, inputs, graph)
-                   for graph, compiled, _, inputs in by_length if not self._is_saved(compiled.compiled, graph)]
-        if missing:
-            build_in_helpers([*missing, self._warm_up_prompt], "compiling the draft's steps")
-        for graph, compiled, _, inputs in tqdm(graphs, desc="compiling the draft's steps", unit="graph",
-                                               disable=None, leave=False):
-            self._run_compiled(compiled, inputs, graph)
-        self._warm_up_prompt()
+        self.graphs.warm_up(graphs, self._warm_up_prompt,
+                            first=lambda graph: (graph[0] != GREEDY_PROPOSAL, graph[0] == 1, graph[1]))
         for compiler in (self.catch_up_compiler, self.decode_compiler, self.greedy_proposal_compiler):
             compiler.seal()
 
@@ -385,24 +306,13 @@ class Eagle3Proposer:
         self._run(prompt, torch.zeros(2 * self.catch_up_len, target_width, dtype=self.draft.fc.dtype,
                                       device=self.device))
 
-    @torch.inference_mode()
-    def _build_graph(self, compiler: CountingCompiler, inputs: tuple[torch.Tensor, ...],
-                     graph: tuple[int | str, bool]) -> None:
-        with torch_threads(self.thread_counts[graph]):
-            compiler.build(*inputs, graph=graph)
-
-    def _is_saved(self, compiler: CountingCompiler, graph: tuple[int | str, bool]) -> bool:
-        with torch_threads(self.thread_counts[graph]):
-            return compiler.is_saved(graph)
-
     def _warm_up_table(self) -> list[int]:
         """The first blocks, enough for a prompt of two catch-ups: every warm-up request's table."""
         return list(range(-(-2 * self.catch_up_len // self.block_size)))
 
-    def _warm_up_graphs(self, num_requests: int) -> list[tuple[tuple[int | str, bool], CompiledWithFallback,
-                                                                Callable[..., object], tuple[torch.Tensor, ...]]]:
-        """For each step graph, (its key in thread_counts, its compiled and its eager function, the
-        arguments of a step of num_requests requests). The requests share one table: their KV lands
+    def _warm_up_graphs(self, num_requests: int) -> list[GraphToBuild]:
+        """For each step graph, (its key, its compiled and its eager function, the arguments of a step
+        of num_requests requests). The requests share one table: their KV lands
         in the same scratch slots."""
         one = num_requests == 1
         table = self._warm_up_table()
@@ -471,21 +381,11 @@ class Eagle3Proposer:
         steps write: first_position + num_positions + num_drafts - 2, or the padded catch-up's last,
         first_position + catch_up_len - 1, when that is further; and the first block after them, which
         no table holds (in the cache when CUDA graphs need it as their pad block)."""
-        tables, next_scratch = [], self.num_blocks
-        for r in requests:
-            last = r.first_position + max(r.num_positions + r.num_drafts - 1, self.catch_up_len if padded else 0) - 1
-            extra = max(0, last // self.block_size + 1 - len(r.block_table))
-            tables.append(r.block_table + list(range(next_scratch, next_scratch + extra)))
-            next_scratch += extra
-        cache = self.draft.kv_cache
-        num_needed = next_scratch + (self.draft_graphs is not None)
-        if num_needed > cache.shape[1]:  # grows to the largest batch of drafts seen, then stays
-            # Outside inference mode, like the first cache: the compiled steps guard on the kind of tensor.
-            with torch.inference_mode(False):
-                grown = cache.new_zeros(cache.shape[0], num_needed, *cache.shape[2:])
-                grown[:, : cache.shape[1]] = cache
-            mark_dynamic(grown, 1)
-            self.draft.kv_cache = grown
+        last = [r.first_position + max(r.num_positions + r.num_drafts - 1, self.catch_up_len if padded else 0) - 1
+                for r in requests]
+        tables, next_scratch = tables_with_scratch([r.block_table for r in requests], last, self.num_blocks,
+                                                   self.block_size)
+        self.draft.kv_cache = with_blocks(self.draft.kv_cache, next_scratch + (self.draft_graphs is not None))
         return tables, next_scratch
 
     def release(self, request_ids: list[str]) -> None:

@@ -10,7 +10,8 @@ import logging
 import torch
 
 from warpspec.config.engine import EngineConfig
-from warpspec.spec_decode.eagle3 import Eagle3Proposer, scratch_reserve
+from warpspec.spec_decode.draft_runner import scratch_reserve
+from warpspec.spec_decode.eagle3 import Eagle3Proposer
 from warpspec.spec_decode.ngram import NgramProposer
 from warpspec.spec_decode.proposer import Proposer
 from warpspec.workers.compile_cache import open_compile_cache

@@ -10,7 +10,8 @@ import torch
 
 from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec.sample.keyed_random import KeyedRandom
-from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, CompiledWithFallback, Eagle3Proposer
+from warpspec.spec_decode.draft_runner import CompiledWithFallback, DraftGraphs
+from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest
 from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.cuda_graphs import CudaGraphConfig
@@ -95,7 +96,7 @@ def test_the_compiled_catch_up_and_draft_steps_propose_the_eager_drafts(proposer
     # The two greedy proposals called the code of the graphs built for them at warm-up directly.
     assert compiled.greedy_proposal_compiler.num_direct_calls == 2
     graphs = (K + 1, 1, GREEDY_PROPOSAL)
-    assert set(compiled.thread_counts) == {(graph, one) for graph in graphs for one in (True, False)}
+    assert set(compiled.graphs.thread_counts) == {(graph, one) for graph in graphs for one in (True, False)}
 
 
 def test_a_second_start_loads_the_dense_halves_and_proposes_the_eager_drafts(proposers, tmp_path):
@@ -155,12 +156,12 @@ def test_only_the_draft_graphs_for_one_request_time_their_thread_count(tmp_path,
         timed_rows.append(rows[0])
         return 1, {1: 1.0, torch.get_num_threads(): 2.0}
 
-    monkeypatch.setattr("warpspec.spec_decode.eagle3.fastest_thread_count", first_rows_of)
+    monkeypatch.setattr("warpspec.spec_decode.draft_runner.fastest_thread_count", first_rows_of)
     # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
     monkeypatch.setattr(CountingCompiler, "saved_thread_count", lambda self, graph: None)
     # Timing is the subject, not building: the compiled steps are neither built nor run.
-    monkeypatch.setattr(Eagle3Proposer, "_build_graph", lambda self, compiler, inputs, graph: None)
-    monkeypatch.setattr(Eagle3Proposer, "_run_compiled", lambda self, compiled, inputs, graph: None)
+    monkeypatch.setattr(DraftGraphs, "_build", lambda self, compiler, inputs, graph: None)
+    monkeypatch.setattr(DraftGraphs, "run", lambda self, compiled, inputs, graph: None)
     monkeypatch.setattr(Eagle3Proposer, "_run", lambda self, plan, features: None)
     proposer.warm_up()
     several = batch_sizes != (1,)
@@ -170,7 +171,7 @@ def test_only_the_draft_graphs_for_one_request_time_their_thread_count(tmp_path,
     counts = {(graph, True): 1 for graph in graphs}
     if several:
         counts |= {(graph, False): torch.get_num_threads() for graph in graphs}
-    assert torch.get_num_threads() != 1 and proposer.thread_counts == counts
+    assert torch.get_num_threads() != 1 and proposer.graphs.thread_counts == counts
 
 
 class Rotate(torch.nn.Module):

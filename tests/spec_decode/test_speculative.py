@@ -18,7 +18,7 @@ from warpspec.errors import InvalidRequestError
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sample.rejection_sampler import verify
 from warpspec.serving.metrics import AcceptanceWatch
-from warpspec.spec_decode.eagle3 import scratch_reserve
+from warpspec.spec_decode.draft_runner import scratch_reserve
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
