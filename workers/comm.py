@@ -49,7 +49,7 @@ def collective_failures(backend: str):
 class Communicator:
     # Whether a compiled step can call this backend's collectives (_traced_all_reduce, _traced_gather).
     has_traced_collectives = False
-    # Whether _all_reduce sums into its argument (and returns it) rather than into a new tensor.
+    # Whether exchange_sum sums into its argument (and returns it) rather than into a new tensor.
     reduces_in_place = True
 
     def __init__(self, rank: int = 0, world_size: int = 1):
@@ -76,8 +76,8 @@ class Communicator:
             if batch_invariant.is_enabled() and x.dtype != torch.float64:
                 # Ring and tree all-reduces chunk by message size, so the order in which an element
                 # sums the ranks depends on the batch; world_size bf16 partials sum exactly in float64.
-                return self._all_reduce(x.double().contiguous()).to(x.dtype)
-            return self._all_reduce(x.contiguous())
+                return self.exchange_sum(x.double().contiguous()).to(x.dtype)
+            return self.exchange_sum(x.contiguous())
 
     def gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Concatenate every rank's x along dim on rank 0; None on the other ranks."""
@@ -87,7 +87,7 @@ class Communicator:
             return self._traced_gather(x, dim)
         self.num_collectives += 1
         with collective_failures(type(self).__name__):
-            parts = self._gather(x.contiguous())
+            parts = self.exchange_gather(x.contiguous())
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def allreduce_residual_rmsnorm(self, partial: torch.Tensor, residual: torch.Tensor | None,
@@ -120,12 +120,14 @@ class Communicator:
     def close(self) -> None:
         pass
 
-    # The base class is the one-rank communicator: all_reduce and gather return before reaching these.
-    # Multi-rank backends implement them.
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    # The backend's exchange, unchecked and uncounted: all_reduce and gather call it (and so do the
+    # traced ops of a compiled step, traced_collectives.py). The base class is the one-rank
+    # communicator, whose all_reduce and gather return before reaching these; multi-rank backends
+    # implement them.
+    def exchange_sum(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no collective for {self.world_size} ranks")
 
-    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+    def exchange_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         raise NotImplementedError(f"{type(self).__name__} has no collective for {self.world_size} ranks")
 
     # Inside a compiled step (workers/compiled_step.py): collectives the compiler traces, so that a
@@ -150,11 +152,11 @@ class GlooCommunicator(Communicator):
                                 rank=init.rank, world_size=init.world_size)
         self.group_id = traced_collectives.register(self)
 
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def exchange_sum(self, x: torch.Tensor) -> torch.Tensor:
         self.dist.all_reduce(x)
         return x
 
-    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+    def exchange_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
         self.dist.gather(x, parts, dst=0)
         return parts
@@ -194,12 +196,12 @@ class NcclCommunicator(Communicator):
     def _stream(self) -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def exchange_sum(self, x: torch.Tensor) -> torch.Tensor:
         self.comm.allReduce(x.data_ptr(), x.data_ptr(), x.numel(), self.dtypes[x.dtype], self.nccl.NCCL_SUM,
                             self._stream())
         return x
 
-    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+    def exchange_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         # NCCL has no gather; all-gather and let rank 0 keep the result.
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
         self.comm.allGather(x.data_ptr(), out.data_ptr(), x.numel(), self.dtypes[x.dtype], self._stream())

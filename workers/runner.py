@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,7 +12,6 @@ from tqdm import tqdm
 
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
-from warpspec.workers import wire
 from warpspec.workers.comm import Communicator, collective_failures
 from warpspec.workers.compile_helpers import build_in_helpers
 from warpspec.workers.compiled_step import CompiledStepRunner
@@ -22,22 +20,7 @@ from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.kv_groups import kv_group_layout
 from warpspec.workers.loader import load_model
-from warpspec.workers.step import StepInput
-
-
-@dataclass
-class StepOutput:
-    logits: torch.Tensor | None  # [num_logits, vocab] float32, rows of step.logits_indices; None off rank 0
-    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # each [num_tokens, hidden]
-    compute_s: float = 0.0  # the rank's own time in execute, to separate compute from dispatch
-
-    def to_bytes(self) -> bytes:
-        return wire.encode({"logits": self.logits, "aux_hidden": self.aux_hidden, "compute_s": self.compute_s})
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> StepOutput:
-        fields = wire.decode(data)
-        return cls(fields["logits"], fields["aux_hidden"] or [], fields["compute_s"])
+from warpspec.workers.step import StepInput, StepOutput
 
 
 class ModelRunner:
@@ -88,6 +71,11 @@ class ModelRunner:
             self.graph_runner = CompiledStepRunner(self.model, cuda_graphs, block_size, self.kv_layout, self.kv_caches)
         # A compiled step's traced collectives fail as the step runs: a peer that died, as eagerly.
         self.compiled_ranks_meet = use_compiled and self.model.comm.world_size > 1
+
+    def embedding_table(self) -> torch.Tensor | None:
+        """The target's whole input embedding table [vocab, hidden], which a draft model may share;
+        None over several ranks, each of which holds a vocabulary shard."""
+        return self.model.model.embed_tokens.weight if self.model.comm.world_size == 1 else None
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no

@@ -117,7 +117,7 @@ class SharedMemoryCommunicator(GlooCommunicator):
 
     # ---- collectives ----------------------------------------------------------------------------
 
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def exchange_sum(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1)
         out = torch.empty_like(flat)
         per_chunk = self.slot_bytes // flat.element_size()
@@ -129,7 +129,7 @@ class SharedMemoryCommunicator(GlooCommunicator):
                 total.add_(part)
         return out.view(x.shape)
 
-    def _gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+    def exchange_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         flat = x.reshape(-1)
         outs = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else None
         per_chunk = self.slot_bytes // flat.element_size()

@@ -1,4 +1,4 @@
-"""The description of one model step, as the runner consumes it.
+"""One model step as the runner consumes it (StepPlan, StepInput), and what it returns (StepOutput).
 
 Every step is a flat, ragged batch of sequences: a prefill chunk, a decode (one token), or a
 speculative verification (k+1 tokens) all look alike: `query_len` new tokens appended to a
@@ -160,3 +160,18 @@ class StepInput:
     @classmethod
     def from_bytes(cls, data: bytes) -> StepInput:
         return cls(**wire.decode(data))
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor | None  # [num_logits, vocab] float32, rows of step.logits_indices; None off rank 0
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # each [num_tokens, hidden]
+    compute_s: float = 0.0  # the rank's own time in execute, to separate compute from dispatch
+
+    def to_bytes(self) -> bytes:
+        return wire.encode({"logits": self.logits, "aux_hidden": self.aux_hidden, "compute_s": self.compute_s})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepOutput:
+        decoded = wire.decode(data)
+        return cls(decoded["logits"], decoded["aux_hidden"] or [], decoded["compute_s"])

@@ -15,17 +15,27 @@ into CollectiveError as for an eager step.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from warpspec.workers.comm import Communicator
 
-_groups: dict[int, Communicator] = {}
+class Exchange(Protocol):
+    """What the ops call: a communicator's own exchange (comm.Communicator and its backends)."""
+
+    rank: int
+    world_size: int
+    reduces_in_place: bool  # exchange_sum sums into its argument
+
+    def exchange_sum(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def exchange_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None: ...
 
 
-def register(comm: Communicator) -> int:
+_groups: dict[int, Exchange] = {}
+
+
+def register(comm: Exchange) -> int:
     """A group id for comm's traced collectives, the smallest free one; `unregister` it when the
     communicator closes. A compiled step holds its group id as a constant, which its guards check
     (step_artifacts.py): a rank's communicator built again in the same process after the first
@@ -53,7 +63,7 @@ def gather(x: torch.Tensor, group_id: int, dim: int) -> torch.Tensor | None:
 def _all_reduce(x: torch.Tensor, group_id: int) -> torch.Tensor:
     comm = _groups[group_id]
     # The op may not change its input: a backend that sums into its argument gets a copy.
-    return comm._all_reduce(x.clone(memory_format=torch.contiguous_format) if comm.reduces_in_place
+    return comm.exchange_sum(x.clone(memory_format=torch.contiguous_format) if comm.reduces_in_place
                             else x.contiguous())
 
 
@@ -67,7 +77,7 @@ def _gather(x: torch.Tensor, group_id: int, dim: int) -> torch.Tensor:
     """Ranks past 0 get an unfilled tensor of the gathered shape (an op's shape must not depend on the
     rank) and drop it."""
     comm = _groups[group_id]
-    parts = comm._gather(x.contiguous())
+    parts = comm.exchange_gather(x.contiguous())
     if parts is None:
         return _gathered_like(x, comm.world_size, dim)
     return torch.cat(parts, dim=dim)

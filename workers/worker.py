@@ -19,8 +19,8 @@ from warpspec.workers.compile_cache import open_compile_cache
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.persistent_batch import BatchUpdate, PersistentBatch
-from warpspec.workers.runner import ModelRunner, StepOutput
-from warpspec.workers.step import StepInput
+from warpspec.workers.runner import ModelRunner
+from warpspec.workers.step import StepInput, StepOutput
 
 
 @dataclass

@@ -52,8 +52,7 @@ from warpspec.structured_output.grammar import masked
 from warpspec.tokenizer import Tokenizer
 from warpspec.workers.kv_groups import kv_group_layout
 from warpspec.workers.model_config import ModelConfig
-from warpspec.workers.runner import StepOutput
-from warpspec.workers.step import SequenceStep, StepPlan
+from warpspec.workers.step import SequenceStep, StepOutput, StepPlan
 from warpspec.workers.step_artifacts import graphs_built
 
 
@@ -64,6 +63,9 @@ class Executor(Protocol):
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build any compiled step graphs, before the first step."""
+
+    def embedding_table(self) -> torch.Tensor | None:
+        """The target's whole embedding table where this process holds it (one rank), else None."""
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """One step on every rank: rank 0's logits, and the hidden states aux_layer_ids asked for."""
@@ -188,11 +190,10 @@ class EngineCore:
 
     def _load_proposer(self) -> Proposer:
         # With one shard (in this process, or the coordinator's only one) a draft model shares the
-        # target's embedding table; over more, the executor has no whole table (no runner) and the
-        # draft reads it from the checkpoint.
-        runner = getattr(self.executor, "runner", None)
+        # target's embedding table; over more, no process holds it whole and the draft reads it from
+        # the checkpoint.
         return load_proposer(self.config, self.model_config, self.executor.num_blocks,
-                             None if runner is None else runner.model.model.embed_tokens.weight)
+                             self.executor.embedding_table())
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import ray
+import torch
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayActorError, RayChannelError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group_table
@@ -36,9 +37,8 @@ from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
 from warpspec.workers.llama4 import check_parallel_layout
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.persistent_batch import BatchMirror
-from warpspec.workers.runner import StepOutput
 from warpspec.workers.shm_comm import shared_memory_available
-from warpspec.workers.step import StepPlan
+from warpspec.workers.step import StepOutput, StepPlan
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
 
 MAX_TIMINGS = 100_000  # steps of DispatchTiming kept while recording: ~10 MB at most
@@ -75,9 +75,6 @@ class DriverExecutor:
             num_workers = self.parallel.num_workers
             self.workers = [self._create_worker(rank) for rank in range(1, num_workers)]
             self.rank0, self.infos = self._start_shards()
-            # One rank holds the whole embedding table, which the draft then shares (EngineCore); over
-            # more, rank 0 holds a vocabulary shard, and the draft reads the table from the checkpoint.
-            self.runner = self.rank0.runner if num_workers == 1 else None
             self.num_blocks = min(i.num_blocks for i in self.infos)
         except BaseException:
             self.shutdown()  # a half-built replica must not keep its actors
@@ -145,6 +142,10 @@ class DriverExecutor:
         pending = [w.warm_up.remote(aux_layer_ids, share) for w, share in zip(self.workers, shares, strict=True)]
         self.rank0.warm_up(aux_layer_ids)
         unwrap_ray_errors(lambda: ray.get(pending))
+
+    def embedding_table(self) -> torch.Tensor | None:
+        """Rank 0's, which is whole with one rank only (the draft then shares it, EngineCore)."""
+        return self.rank0.runner.embedding_table()
 
     def execute(self, plan: StepPlan) -> StepOutput:
         """The engine's executor: one step on every rank. Ranks 1..N-1 get it as an update to the

@@ -1,13 +1,15 @@
 """One rank in this process: the executor of an engine core that runs in the front end's process. The
 core sees the same things from it as from the coordinator's DriverExecutor over Ray workers (driver.py):
-the model config, the KV block count, execute(), and warm_up() before the first step."""
+the model config, the KV block count, execute(), warm_up() before the first step, and the embedding table."""
 
 from __future__ import annotations
 
+import torch
+
 from warpspec.config.engine import EngineConfig
 from warpspec.workers.compile_cache import open_compile_cache
-from warpspec.workers.runner import ModelRunner, StepOutput
-from warpspec.workers.step import StepPlan
+from warpspec.workers.runner import ModelRunner
+from warpspec.workers.step import StepOutput, StepPlan
 
 
 class LocalExecutor:
@@ -21,6 +23,9 @@ class LocalExecutor:
 
     def execute(self, plan: StepPlan) -> StepOutput:
         return self.runner.execute(plan.build())
+
+    def embedding_table(self) -> torch.Tensor | None:
+        return self.runner.embedding_table()
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         self.runner.warm_up(aux_layer_ids)

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from warpspec.workers.runner import StepOutput
-from warpspec.workers.step import SequenceStep, StepInput
+from warpspec.workers.step import SequenceStep, StepInput, StepOutput
 
 
 def test_step_input_round_trips_through_msgpack():
