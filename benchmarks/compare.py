@@ -37,7 +37,7 @@ from warpspec.config.engine import SPECULATIVE_POLICIES
 from warpspec.config.options import add_engine_flags, engine_options_from_flags
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 
 HF_GREEDY = "transformers greedy"
 HF_LOOKUP = "transformers prompt lookup (k=3)"
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"{args.speculative_policies!r}")
     if args.vllm:
         check_python(args.vllm)
-    prompts = read_prompts(args.prompts, ModelConfig.from_pretrained(args.target).vocab_size)
+    prompts = read_prompts(args.prompts, load_model_config(args.target).vocab_size)
     if not 1 <= args.batch1_prompts <= len(prompts):
         raise SystemExit(f"--batch1-prompts: between 1 and {len(prompts)} (the prompts in {args.prompts})")
 

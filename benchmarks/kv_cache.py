@@ -30,7 +30,7 @@ from warpspec.errors import InvalidRequestError
 from warpspec.sampling_params import SamplingParams
 from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.kv_groups import kv_bytes_per_sequence, kv_bytes_per_token_layer
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import model_config_from_dict
 
 # The attention shapes of Llama 4's text configs (Hugging Face config.json): 48 layers, every fourth
 # NoPE, 8 KV heads of 128, chunk 8192; Maverick's context is 1M tokens, Scout's 10M.
@@ -47,7 +47,7 @@ BLOCK = 16
 def memory_rows() -> list[dict]:
     rows = []
     for name, raw in SHAPES.items():
-        config = ModelConfig.from_dict(raw)
+        config = model_config_from_dict(raw)
         for label, tokens in CONTEXTS.items():
             hybrid, full = (kv_bytes_per_sequence(config, tokens, 2, BLOCK, on) for on in (True, False))
             rows.append({"model": name, "context": label, "hybrid_gib": hybrid / 2**30, "full_gib": full / 2**30,
@@ -90,7 +90,7 @@ def held_check(path: Path, tokens: int) -> dict:
 def capacity(path: Path, hybrid: bool, budget_bytes: int, seq_tokens: int, num_seqs: int) -> dict:
     """The longest single context, and the most seq_tokens-token sequences running at once, in
     budget_bytes of KV."""
-    config = ModelConfig.from_dict(json.loads((path / "config.json").read_text()))
+    config = model_config_from_dict(json.loads((path / "config.json").read_text()))
     # num_kv_blocks counts blocks of every layer, the same memory in either layout.
     num_blocks = budget_bytes // (BLOCK * config.num_hidden_layers * kv_bytes_per_token_layer(config, 4))
     with engine(path, hybrid, num_kv_blocks=num_blocks, max_num_seqs=num_seqs,

@@ -22,8 +22,10 @@ import torch
 from warpspec.benchmarks.timing import median_ms
 from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import allocate_kv_cache
-from warpspec.workers.llama4 import Llama4ForCausalLM, Llama4MLP
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.decoder import GatedMLP
+from warpspec.workers.models.llama4 import Llama4ForCausalLM
+from warpspec.workers.models.registry import load_model_config
 from warpspec.workers.quantization import convert_to_fp8, is_online_fp8_module
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -65,7 +67,7 @@ class RankShape:
         }
         with tempfile.TemporaryDirectory() as d:
             (Path(d) / "config.json").write_text(json.dumps(raw))
-            return ModelConfig.from_pretrained(d)
+            return load_model_config(d)
 
 
 def build_rank(shape: RankShape, device: torch.device, dtype=torch.bfloat16) -> Llama4ForCausalLM:
@@ -74,7 +76,7 @@ def build_rank(shape: RankShape, device: torch.device, dtype=torch.bfloat16) -> 
         model = Llama4ForCausalLM(config, dtype)
         for layer in model.model.layers:  # the shared expert is tensor-parallel: 1/8 of its width
             if hasattr(layer.feed_forward, "shared_expert") and shape.moe_parallel == "expert":
-                layer.feed_forward.shared_expert = Llama4MLP(shape.hidden, shape.expert_inter // WORLD_SIZE,
+                layer.feed_forward.shared_expert = GatedMLP(shape.hidden, shape.expert_inter // WORLD_SIZE,
                                                              model.comm, dtype)
     convert_to_fp8(model, is_online_fp8_module)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -39,7 +39,7 @@ from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.stats import acceptance_length
 from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.kv_cache import CacheConfig
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
 
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                      "a step (num_speculative_tokens), so no step that wide can be timed; --skip-costs for acceptance")
     if (args.num_prompts is not None and args.num_prompts < 1) or args.new_tokens < 2:
         parser.error("--num-prompts must be at least 1 and --new-tokens at least 2")
-    vocab_size = ModelConfig.from_pretrained(args.target).vocab_size
+    vocab_size = load_model_config(args.target).vocab_size
     prompts = read_prompts(args.prompts, vocab_size) if args.prompts else held_out_prompts()
     prompts = prompts[: args.num_prompts]
     k = args.num_speculative_tokens

@@ -28,9 +28,10 @@ from tqdm import tqdm
 from warpspec.benchmarks.report import write_report
 from warpspec.training.random_checkpoint import PRESETS
 from warpspec.workers.checkpoint_writer import checkpoint_state_dict, hf_config_dict
-from warpspec.workers.llama4 import Llama4ForCausalLM
 from warpspec.workers.loader import load_model, safetensors_files
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.llama4 import Llama4ForCausalLM
+from warpspec.workers.models.registry import model_config_from_dict
 
 BLOCK = 16 << 20
 # The "small" preset widened until a checkpoint is about 1 GB per 2.2 experts-per-layer unit: the
@@ -46,7 +47,7 @@ def checkpoint_config(gigabytes: float) -> ModelConfig:
     per_expert_gb = 4 * 3 * 1024 * 1024 * 2 / 1e9
     fixed_gb = 0.25  # embeddings, head, attention, dense and shared MLPs
     experts = max(1, round((gigabytes - fixed_gb) / per_expert_gb))
-    return ModelConfig.from_dict({**SHAPE, "num_local_experts": experts, "architectures": ["Llama4ForCausalLM"],
+    return model_config_from_dict({**SHAPE, "num_local_experts": experts, "architectures": ["Llama4ForCausalLM"],
                                   "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
 
 

@@ -204,3 +204,21 @@ def test_no_module_reaches_into_another_modules_private_members():
                     and node.attr not in own | PUBLIC_BY_CONVENTION):
                 found.append(f"{relative}:{node.lineno} {ast.unparse(node)}")
     assert not found, "private members used from another module:\n" + "\n".join(found)
+
+
+# Runtime modules that may name a model family: Llama 4's checkpoint writer (the tools outside the
+# runtime, training/ and benchmarks/, may too: the trainers and the simulated Maverick rank are Llama 4's).
+FAMILY_TOOLS = {"warpspec.workers.checkpoint_writer"}
+
+
+def test_only_the_registry_names_a_model_family():
+    """Outside workers/models/, the runtime reaches a model through the registry and DecoderForCausalLM,
+    never a family's module (workers/models/llama4.py, llama.py): a new family is its module and one
+    line of the registry."""
+    known = modules()
+    families = {m for m in known if m.startswith("warpspec.workers.models.")
+                and m.rsplit(".", 1)[1] not in ("registry", "decoder")}
+    found = [f"{module}:{line} imports {target}" for module, targets in graph().items() for target, line in targets
+             if target in families and component(module) in RUNTIME and module not in FAMILY_TOOLS
+             and not module.startswith("warpspec.workers.models.")]
+    assert families and not found, "a model family named outside the registry:\n" + "\n".join(found)

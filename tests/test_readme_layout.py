@@ -1,5 +1,5 @@
 """The README's layout table names every folder git holds, and nothing else: the top-level folders,
-and each subpackage of cluster/ with its import name."""
+each subpackage of cluster/ with its import name, and workers/'s subpackages."""
 
 import re
 import subprocess
@@ -22,7 +22,7 @@ def layout_rows() -> dict[str, str]:
 def tracked_folders() -> set[str]:
     files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     top = {f.split("/")[0] + "/" for f in files if "/" in f and not f.startswith(".")}
-    packages = {f.rsplit("/", 1)[0] + "/" for f in files if re.fullmatch(r"cluster/[^/]+/__init__\.py", f)}
+    packages = {f.rsplit("/", 1)[0] + "/" for f in files if re.fullmatch(r"(cluster|workers)/[^/]+/__init__\.py", f)}
     return top | packages
 
 

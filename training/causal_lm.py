@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from warpspec.workers.llama4 import Llama4Attention, Llama4ForCausalLM
+from warpspec.workers.models.decoder import Attention, DecoderForCausalLM
 from warpspec.workers.rope import rope_freqs_cis
 
 
@@ -20,7 +20,7 @@ def attention_mask(length: int, chunk_size: int | None, device: torch.device) ->
     return (pos[None, :] <= pos[:, None]) & (pos[None, :] // chunk_size == pos[:, None] // chunk_size)
 
 
-def dense_attention(attn: Llama4Attention, positions: torch.Tensor, hidden: torch.Tensor, freqs_cis: torch.Tensor,
+def dense_attention(attn: Attention, positions: torch.Tensor, hidden: torch.Tensor, freqs_cis: torch.Tensor,
                     batch: int, length: int) -> torch.Tensor:
     """hidden [batch * length, hidden] -> the attention block's output, same shape."""
     q, k, v = attn.project_qkv(positions, hidden, freqs_cis)
@@ -31,7 +31,7 @@ def dense_attention(attn: Llama4Attention, positions: torch.Tensor, hidden: torc
     return attn.o_proj(out.transpose(1, 2).reshape(batch * length, -1))
 
 
-def causal_lm_logits(model: Llama4ForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
+def causal_lm_logits(model: DecoderForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
     """input_ids [batch, length] -> logits [batch, length, vocab] (one rank, any dtype)."""
     batch, length = input_ids.shape
     positions = torch.arange(length, device=input_ids.device).repeat(batch)

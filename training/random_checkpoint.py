@@ -11,8 +11,8 @@ from tokenizers import Tokenizer
 
 from warpspec.training.bpe import train_bpe
 from warpspec.workers.checkpoint_writer import save_checkpoint
-from warpspec.workers.llama4 import Llama4ForCausalLM
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.llama4 import Llama4ForCausalLM
+from warpspec.workers.models.registry import model_config_from_dict
 
 # Named shapes: MoE on every other layer, layer 3 NoPE, GQA 4:1, chunked attention.
 PRESETS: dict[str, dict] = {
@@ -39,7 +39,7 @@ def create_random_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: in
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     raw = {**PRESETS[preset], **overrides, "architectures": ["Llama4ForCausalLM"],
            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
-    config = ModelConfig.from_dict(raw)
+    config = model_config_from_dict(raw)
     model = Llama4ForCausalLM(config, dtype)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

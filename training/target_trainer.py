@@ -26,8 +26,8 @@ from warpspec.training.bpe import EOS, save_tokenizer, train_bpe
 from warpspec.training.causal_lm import causal_lm_logits
 from warpspec.training.corpus import DEBIAN_DOC_DIRS, read_documents, split_documents
 from warpspec.workers.checkpoint_writer import save_checkpoint
-from warpspec.workers.llama4 import Llama4ForCausalLM
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.llama4 import Llama4ForCausalLM
+from warpspec.workers.models.registry import model_config_from_dict
 
 # 6 layers, MoE on the odd ones (8 routed experts, top-1, plus the shared expert), layer 3 NoPE
 # (the default interval of 4), GQA 4:1, tied embeddings: about 10M parameters, 20 MB in bf16.
@@ -75,7 +75,7 @@ class TargetTrainer:
         torch.manual_seed(config.seed)
         self.tokenizer = self._tokenizer()
         self.train_tokens, self.val_tokens = self._token_streams()
-        self.model_config = ModelConfig.from_dict(config.model)
+        self.model_config = model_config_from_dict(config.model)
         self.model = self._init_model()
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]

@@ -1,5 +1,5 @@
-"""Write a model in the Hugging Face Llama4ForCausalLM layout (config.json + model.safetensors) that
-transformers and warpspec both load. Used for random checkpoints now and trained ones later."""
+"""Write a Llama 4 model in the Hugging Face Llama4ForCausalLM layout (config.json + model.safetensors)
+that transformers and warpspec both load: the bundled target, random checkpoints and trained ones."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from warpspec.workers.llama4 import Llama4ForCausalLM, checkpoint_names
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.llama4 import Llama4Config, Llama4ForCausalLM
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict:
+def hf_config_dict(config: Llama4Config, dtype: torch.dtype) -> dict:
     """transformers 5.x spelling (rope_parameters)."""
     rope = {"rope_type": config.rope.rope_type, "rope_theta": config.rope.theta}
     if config.rope.rope_type != "default":
@@ -60,7 +59,7 @@ def checkpoint_state_dict(model: Llama4ForCausalLM) -> dict[str, torch.Tensor]:
     """Our parameters under checkpoint names, stacked parameters split back into their parts."""
     tensors: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        parts = checkpoint_names(name)
+        parts = model.checkpoint_names(name)
         if len(parts) == 1:
             tensors[name] = param.detach().contiguous()
             continue
@@ -74,7 +73,7 @@ def checkpoint_state_dict(model: Llama4ForCausalLM) -> dict[str, torch.Tensor]:
 def save_checkpoint(model: Llama4ForCausalLM, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.embedding_table().dtype
     save_file(checkpoint_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config_dict(model.config, dtype), indent=2) + "\n")
     generation = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_ids}

@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama 4 checkpoint folder into Llama4ForCausalLM.
+"""Load a Hugging Face checkpoint folder into the causal LM of its model family (workers/models/).
 
 Tensor by tensor from memory-mapped safetensors, through the model file's name-mapping table, into
 parameters allocated empty: peak memory stays near the model's own size (plus one tensor).
@@ -26,8 +26,9 @@ from warpspec.kernels.fp8 import FP8_DTYPE
 from warpspec.workers.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import CheckpointTensor
-from warpspec.workers.llama4 import Llama4Experts, Llama4ForCausalLM, checkpoint_names, map_checkpoint_name
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.decoder import DecoderForCausalLM
+from warpspec.workers.models.registry import load_model_config, model_class_of
 from warpspec.workers.quantization import apply_quantization, resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -178,27 +179,27 @@ class LoadReport:
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                comm: Communicator | None = None, quantization: str | None = None,
-               moe_parallel: str = "tensor") -> Llama4ForCausalLM:
+               moe_parallel: str = "tensor") -> DecoderForCausalLM:
     """quantization: None (the checkpoint's own precision: FP8 for an fbgemm_fp8 checkpoint) or "fp8"
     (quantize a full-precision checkpoint's linears and experts as they load; see quantization.py).
-    moe_parallel: how routed experts split over comm's ranks (llama4.Llama4Experts)."""
+    moe_parallel: how routed experts split over comm's ranks (models/llama4.Llama4Experts)."""
     model_dir = Path(model_dir)
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_model_config(model_dir)
     quant = resolve_quantization(model_dir, quantization)
     files = safetensors_files(model_dir)
     prefix = config.tensor_prefix
     with torch.device(device):
-        model = Llama4ForCausalLM(config, resolve_dtype(dtype, config), comm, moe_parallel)
+        model = model_class_of(config)(config, resolve_dtype(dtype, config), comm, moe_parallel)
     fp8_modules = apply_quantization(model, quant, files, prefix)
     if torch.device(device).type == "cpu":  # GPU kernels read the checkpoint's layouts
         for module in model.modules():
-            if isinstance(module, Llama4Experts):
+            if hasattr(module, "lay_out_inputs_contiguous"):  # experts read by index (models/llama4.py)
                 module.lay_out_inputs_contiguous()
         advise_huge_pages(model)
     params = dict(model.named_parameters())
     reads_every_byte = comm is None or comm.world_size == 1  # with several ranks each reads its slices
     with ReadAhead(files) if reads_every_byte else contextlib.nullcontext() as read_ahead:
-        bytes_read = load_tensors(params, files, config, model_dir, read_ahead and read_ahead.file_done)
+        bytes_read = load_tensors(model, params, files, model_dir, read_ahead and read_ahead.file_done)
     if torch.device(device).type == "cpu":
         model.store_head_columns_contiguous()
     model.load_report = LoadReport(bytes_read, sum(p.numel() * p.element_size() for p in params.values()),
@@ -206,11 +207,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     return model.eval()
 
 
-def load_tensors(params: dict[str, nn.Parameter], files: list[Path], config: ModelConfig, model_dir: Path,
+def load_tensors(model: DecoderForCausalLM, params: dict[str, nn.Parameter], files: list[Path], model_dir: Path,
                  after_file: Callable[[], None] | None) -> int:
-    """Every checkpoint tensor into its parameter through the layer's weight_loader; the bytes read."""
+    """Every checkpoint tensor into its parameter of model's (params, by name) through the layer's
+    weight_loader, as the model's family names and lays them out; the bytes read."""
+    config = model.config
     prefix = config.tensor_prefix
-    pending = {(hf_name, shard): name for name in params for hf_name, shard in checkpoint_names(name)}
+    pending = {(hf_name, shard): name for name in params for hf_name, shard in model.checkpoint_names(name)}
     bytes_read = 0
     progress = tqdm(desc="loading weights", unit="tensor", total=len(pending), disable=None, leave=False)
     for raw_name, tensor in iter_checkpoint_tensors(files, after_file):
@@ -219,11 +222,11 @@ def load_tensors(params: dict[str, nn.Parameter], files: list[Path], config: Mod
         name = raw_name[len(prefix):]
         if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
-        param_name, shard_id = map_checkpoint_name(name)
+        param_name, shard_id = model.map_checkpoint_name(name)
         if param_name not in params:
             raise CheckpointError(f"unexpected tensor {raw_name!r} in checkpoint {model_dir}")
         param = params[param_name]
-        param.weight_loader(param, tensor, raw_name, shard_id)
+        param.weight_loader(param, model.adapt_checkpoint_tensor(name, tensor), raw_name, shard_id)
         bytes_read += tensor.bytes_read
         pending.pop((name, shard_id), None)
         if param.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
@@ -238,7 +241,7 @@ def load_tensors(params: dict[str, nn.Parameter], files: list[Path], config: Mod
 
 
 def read_checkpoint_tensor(model_dir: str | Path, name: str, config: ModelConfig) -> torch.Tensor:
-    """One whole tensor of a text checkpoint by its Llama4ForCausalLM name (prefix added for the
+    """One whole tensor of a text checkpoint by its name in the text model (prefix added for a
     multimodal layout), e.g. the embedding table a draft model shares."""
     full_name = config.tensor_prefix + name
     for tensor_name, tensor in iter_checkpoint_tensors(safetensors_files(Path(model_dir))):

@@ -28,7 +28,7 @@ from torch import nn
 from warpspec.kernels.fp8 import FP8_DTYPE
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import Linear
-from warpspec.workers.llama4 import Llama4Experts, checkpoint_names
+from warpspec.workers.models.decoder import DecoderForCausalLM
 
 QUANTIZATION_METHODS = ("fp8",)
 CHECKPOINT_METHODS = ("fbgemm_fp8",)
@@ -58,7 +58,7 @@ def resolve_quantization(model_dir: str | Path, quantization: str | None) -> Qua
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError):
-        raw = {}  # ModelConfig.from_pretrained reports a missing or broken config.json
+        raw = {}  # load_model_config reports a missing or broken config.json
     quant = raw.get("quantization_config") or raw.get("text_config", {}).get("quantization_config")
     if not quant:
         return None if quantization is None else QuantizationConfig(quantization)
@@ -88,13 +88,14 @@ def checkpoint_dtypes(files: list[Path], prefix: str) -> dict[str, str]:
     return dtypes
 
 
-def fp8_module_names(model: nn.Module, dtypes: dict[str, str]) -> set[str]:
-    """The modules whose checkpoint weights are FP8. A module filled from several checkpoint tensors
-    (q/k/v into qkv_proj, an expert block's gate_up and down) must have them all FP8 or none."""
+def fp8_module_names(model: DecoderForCausalLM, dtypes: dict[str, str]) -> set[str]:
+    """The modules whose checkpoint weights (as model's family names them) are FP8. A module filled
+    from several checkpoint tensors (q/k/v into qkv_proj, an expert block's gate_up and down) must
+    have them all FP8 or none."""
     chosen = set()
     for module_name, module in model.named_modules():
         weights = quantizable_weights(module)
-        names = [hf for w in weights for hf, _ in checkpoint_names(f"{module_name}.{w}") if hf in dtypes]
+        names = [hf for w in weights for hf, _ in model.checkpoint_names(f"{module_name}.{w}") if hf in dtypes]
         is_fp8 = {dtypes[n] == SAFETENSORS_FP8 for n in names}
         if is_fp8 == {True, False}:
             raise CheckpointError(f"{', '.join(names)} fill one layer but only some are float8; warpspec needs "
@@ -107,9 +108,7 @@ def fp8_module_names(model: nn.Module, dtypes: dict[str, str]) -> set[str]:
 def quantizable_weights(module: nn.Module) -> tuple[str, ...]:
     if isinstance(module, Linear):
         return ("weight",)
-    if isinstance(module, Llama4Experts):
-        return ("gate_up_proj", "down_proj")
-    return ()
+    return getattr(module, "quantizable_weights", ())  # a family's own modules (models/llama4.Llama4Experts)
 
 
 def is_online_fp8_module(module_name: str, module: nn.Module) -> bool:

@@ -37,10 +37,10 @@ class ModelRunner:
         self.cache_config = cache_config or CacheConfig()
         self.model = load_model(model_dir, dtype, self.device, comm, quantization, moe_parallel)
         self.config = self.model.config
-        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.dtype = self.model.embedding_table().dtype
         # Every rank holds the same number of KV heads (replicated when there are more ranks than
         # heads), so every rank computes the same block count from the same per-rank budget.
-        self.num_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        self.num_kv_heads = self.model.num_kv_heads
         self.num_blocks = self.cache_config.resolve_num_blocks(self.config, self.num_kv_heads, self.dtype)
         self.kv_layout = kv_group_layout(self.config, self.cache_config.hybrid)
         # The references read values back to the host (a capture forbids it): graphs need Triton.
@@ -75,7 +75,7 @@ class ModelRunner:
     def embedding_table(self) -> torch.Tensor | None:
         """The target's whole input embedding table [vocab, hidden], which a draft model may share;
         None over several ranks, each of which holds a vocabulary shard."""
-        return self.model.model.embed_tokens.weight if self.model.comm.world_size == 1 else None
+        return self.model.embedding_table() if self.model.comm.world_size == 1 else None
 
     def warm_up(self, aux_layer_ids: list[int]) -> None:
         """Build the compiled step graphs now, as CUDA-graph engines capture at start-up, so that no

@@ -34,7 +34,7 @@ def engine(mode: str, folder: str, with_draft: bool) -> None:
     from warpspec.workers import loader
 
     if mode == "unloaded":
-        loader.load_tensors = lambda params, files, config, model_dir, after_file: 0
+        loader.load_tensors = lambda model, params, files, model_dir, after_file: 0
         methods.load_eagle3 = unloaded_draft
     draft = {"draft": "assets/tiny-maverick-eagle3"} if with_draft else {}
     start = time.perf_counter()

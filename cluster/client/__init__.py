@@ -11,14 +11,14 @@ from warpspec.core.requests import check_kv_capacity
 from warpspec.core.startup import StartupTimer
 from warpspec.executor.local import LocalExecutor
 from warpspec.spec_decode.proposer import Proposer
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 
 
 def make_core_client(config: EngineConfig, proposer: Proposer | None = None):
     """An EngineCore in this process, or, with Ray workers, a RayCoreClient for the core inside the
     replica's coordinator actor."""
     if not config.parallel.uses_ray:
-        check_kv_capacity(config, ModelConfig.from_pretrained(config.model))  # before any weight loads
+        check_kv_capacity(config, load_model_config(config.model))  # before any weight loads
         startup = StartupTimer()
         with startup.phase("weights and KV cache") as phase:
             executor = LocalExecutor(config)

@@ -21,15 +21,15 @@ from warpspec.errors import EngineError, WorkerDiedError
 from warpspec.executor.driver import DispatchTiming
 from warpspec.executor.placement import coordinator_options, place_workers, replica_gang
 from warpspec.executor.ray_env import connect_ray, unwrap_ray_errors
-from warpspec.workers.llama4 import check_parallel_layout
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config, model_class_of
 
 
 class CoordinatorHandle:
     def __init__(self, config: EngineConfig):
         # Reject an impossible split from config.json alone, before Ray or any weight is touched.
-        self.model_config = ModelConfig.from_pretrained(config.model)
-        check_parallel_layout(self.model_config, config.parallel.num_workers, config.parallel.moe_parallel)
+        self.model_config = load_model_config(config.model)
+        model_class_of(self.model_config).check_parallel_layout(
+            self.model_config, config.parallel.num_workers, config.parallel.moe_parallel)
         check_kv_capacity(config, self.model_config)
         connect_ray(config.run_dir)
         # A served replica's ranks come with it in Serve's gang (bundles 1..N); elsewhere they are placed

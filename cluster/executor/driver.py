@@ -34,8 +34,7 @@ from warpspec.executor.compile_cache_store import compile_cache_key
 from warpspec.executor.placement import worker_resources
 from warpspec.executor.ray_env import unwrap_ray_errors
 from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
-from warpspec.workers.llama4 import check_parallel_layout
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config, model_class_of
 from warpspec.workers.persistent_batch import BatchMirror
 from warpspec.workers.shm_comm import shared_memory_available
 from warpspec.workers.step import StepOutput, StepPlan
@@ -62,8 +61,9 @@ class DriverExecutor:
         self.config = config
         self.parallel = config.parallel
         self.is_gpu = config.device.startswith("cuda")
-        self.model_config = ModelConfig.from_pretrained(config.model)
-        check_parallel_layout(self.model_config, self.parallel.num_workers, self.parallel.moe_parallel)
+        self.model_config = load_model_config(config.model)
+        model_class_of(self.model_config).check_parallel_layout(
+            self.model_config, self.parallel.num_workers, self.parallel.moe_parallel)
         self.placement_group, self.first_bundle = placement_group, first_bundle
         self.workers, self.graph, self.rank0 = [], None, None  # self.workers: ranks 1..N-1
         self.mirror = BatchMirror()  # what ranks 1..N-1 hold of the batch

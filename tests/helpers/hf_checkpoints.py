@@ -72,3 +72,25 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
     tokens = out[0, len(prompt):].tolist()
     assert len(tokens) == max_new_tokens, "the reference stopped early"
     return tokens
+
+
+# A dense Llama (transformers' LlamaForCausalLM): the second model family, in the same tiny sizes.
+BASE_LLAMA_CONFIG = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, rope_theta=10000.0, initializer_range=0.2,
+)
+
+
+def make_llama_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**{**BASE_LLAMA_CONFIG, **overrides})).eval().save_pretrained(path)
+    return path
+
+
+def load_llama_reference(path: Path):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -17,7 +17,7 @@ from warpspec.workers.compiled_step import CountingCompiler
 from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 from warpspec.workers.torch_internals import fx_graph_cache_counts
 
 BLOCK = 4
@@ -31,7 +31,7 @@ def proposers(tmp_path_factory):
     named as those of tests/spec_decode/test_speculative.py's engines, which load them."""
     target = make_speculation_target(tmp_path_factory.mktemp("target"))
     draft_path = make_speculation_draft(tmp_path_factory.mktemp("draft"))
-    config = ModelConfig.from_pretrained(target)
+    config = load_model_config(target)
     embed = torch.nn.Parameter(read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float(),
                                requires_grad=False)
     made = []
@@ -104,7 +104,7 @@ def test_a_second_start_loads_the_dense_halves_and_proposes_the_eager_drafts(pro
     second start over the same draft loads every graph instead of tracing it again."""
     eager, _ = proposers
     target = make_speculation_target(tmp_path / "target")
-    config = ModelConfig.from_pretrained(target)
+    config = load_model_config(target)
     embed = torch.nn.Parameter(read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float(),
                                requires_grad=False)  # as the fixture's
     draft = load_eagle3(make_speculation_draft(tmp_path / "draft"), config, embed, torch.float32)
@@ -131,7 +131,7 @@ def test_only_the_draft_graphs_for_one_request_time_their_thread_count(tmp_path,
     runs with torch's count untimed (workers/cpu_threads.py, as the target's). An engine that runs one
     request at a time (max_num_seqs 1: batch sizes (1,)) builds no graph for several."""
     target = make_speculation_target(tmp_path / "target")
-    config = ModelConfig.from_pretrained(target)
+    config = load_model_config(target)
     embed = read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
     draft = load_eagle3(make_speculation_draft(tmp_path / "draft"), config, embed, torch.float32)
     proposer = Eagle3Proposer(draft, num_blocks=48, block_size=BLOCK, num_speculative_tokens=K,

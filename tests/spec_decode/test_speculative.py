@@ -22,7 +22,7 @@ from warpspec.spec_decode.draft_runner import scratch_reserve
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.workers.eagle3 import Eagle3Config
 from warpspec.workers.errors import CheckpointError
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 from warpspec.workers.step_artifacts import graphs_built
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -157,7 +157,7 @@ def test_accepts_and_rollbacks_keep_greedy_output_exact(target, draft, reference
     # steps are the graphs that test saved (step_artifacts.py), loaded instead of compiled again.
     k = 4 if enforce_eager else 3
     aux_layer_ids = () if enforce_eager else \
-        Eagle3Config.from_pretrained(draft, ModelConfig.from_pretrained(target)).aux_layer_ids
+        Eagle3Config.from_pretrained(draft, load_model_config(target)).aux_layer_ids
     with LLM(str(target), dtype="float32", num_speculative_tokens=k, block_size=4, max_num_batched_tokens=24,
              proposer=scripted(reference, error_rate, aux_layer_ids), enforce_eager=enforce_eager) as llm:
         outs = llm.generate(_prompts(), GREEDY)
@@ -209,7 +209,7 @@ def test_sampled_speculation_runs_to_length(target, draft):
 
 
 def test_public_checkpoint_layer_id_conventions(target, tmp_path):
-    config = ModelConfig.from_pretrained(target)
+    config = load_model_config(target)
     default = make_eagle3_checkpoint(tmp_path / "default", hidden=64, vocab=160, draft_vocab=32)
     # (2, L // 2, L - 3), on a deeper target (L = 8) where the three differ.
     deeper = dataclasses.replace(config, num_hidden_layers=8, no_rope_layers=config.no_rope_layers * 2)

@@ -15,8 +15,8 @@ from warpspec.training.causal_lm import causal_lm_logits
 from warpspec.training.corpus import clean, read_documents, split_documents
 from warpspec.training.target_trainer import TargetTrainConfig, TargetTrainer
 from warpspec.workers.checkpoint_writer import save_checkpoint
-from warpspec.workers.llama4 import Llama4ForCausalLM
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.llama4 import Llama4ForCausalLM
+from warpspec.workers.models.registry import model_config_from_dict
 
 # Chunked attention (chunk 16 < seq_len 32) on RoPE layers, layer 3 NoPE, MoE on odd layers, tied head.
 SMALL_MODEL = dict(vocab_size=384, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
@@ -54,7 +54,7 @@ def test_missing_corpus_names_the_install_command(tmp_path):
 
 
 def test_training_forward_matches_transformers(tmp_path):
-    config = ModelConfig.from_dict(SMALL_MODEL)
+    config = model_config_from_dict(SMALL_MODEL)
     model = Llama4ForCausalLM(config, torch.float32)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

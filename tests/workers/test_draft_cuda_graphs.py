@@ -18,7 +18,7 @@ from warpspec.workers.cuda_graphs import CudaGraphConfig
 from warpspec.workers.draft_cuda_graphs import DraftGraphRunner, pad_greedy_proposal
 from warpspec.workers.eagle3 import load_eagle3
 from warpspec.workers.loader import read_checkpoint_tensor
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 
 BLOCK = 4
 K = 3
@@ -29,7 +29,7 @@ PAD_BLOCK = 40  # no request's table reaches it
 def pair(tmp_path_factory):
     target = make_speculation_target(tmp_path_factory.mktemp("target"))
     draft = make_speculation_draft(tmp_path_factory.mktemp("draft"))
-    config = ModelConfig.from_pretrained(target)
+    config = load_model_config(target)
     return draft, config, read_checkpoint_tensor(target, "model.embed_tokens.weight", config).float()
 
 

@@ -9,7 +9,7 @@ import torch
 
 from warpspec.config.options import engine_config
 from warpspec.workers.kv_cache import MEMORY_ENV, CacheConfig
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import model_config_from_dict
 
 
 def test_the_default_is_one_gib_unless_the_environment_names_another(monkeypatch):
@@ -22,7 +22,7 @@ def test_the_default_is_one_gib_unless_the_environment_names_another(monkeypatch
 
 
 def test_the_blocks_follow_the_memory(monkeypatch):
-    config = ModelConfig.from_dict({"architectures": ["Llama4ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+    config = model_config_from_dict({"architectures": ["Llama4ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                     "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
                                     "head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 32})
     monkeypatch.setenv(MEMORY_ENV, "0.125")

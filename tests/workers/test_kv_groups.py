@@ -8,6 +8,7 @@ import pytest
 from warpspec.errors import CheckpointError
 from warpspec.workers.kv_groups import kv_bytes_per_sequence, kv_group_layout
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import model_config_from_dict
 
 # The attention shapes of Llama 4 Maverick's and Scout's text configs (Hugging Face config.json):
 # 48 layers, every fourth NoPE (no_rope_layer_interval 4), 8 KV heads of 128, chunk 8192.
@@ -18,7 +19,7 @@ MAVERICK = dict(LLAMA4, num_local_experts=128, interleave_moe_layer_step=2, max_
 
 
 def config(**overrides) -> ModelConfig:
-    return ModelConfig.from_dict({**MAVERICK, **overrides})
+    return model_config_from_dict({**MAVERICK, **overrides})
 
 
 def test_maverick_has_one_full_group_and_three_chunked_groups_of_twelve_layers():
@@ -70,4 +71,4 @@ def test_chunked_layers_without_a_positive_chunk_are_refused_by_name(chunk):
 def test_a_missing_chunk_is_transformers_default():
     raw = dict(MAVERICK)
     del raw["attention_chunk_size"]
-    assert ModelConfig.from_dict(raw).attention_chunk_size == 8192
+    assert model_config_from_dict(raw).attention_chunk_size == 8192

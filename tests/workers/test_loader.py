@@ -21,7 +21,7 @@ from helpers.waiting import wait_for
 from warpspec.training.random_checkpoint import create_random_checkpoint
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.loader import READ_AHEAD_BLOCK, ReadAhead, advise_huge_pages, load_model
-from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.registry import load_model_config
 
 
 @pytest.fixture
@@ -180,7 +180,7 @@ def test_the_cpu_logits_head_reads_the_checkpoints_values_with_the_vocabulary_co
 
 def test_generation_config_eos_overrides_config(checkpoint):
     (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
-    assert ModelConfig.from_pretrained(checkpoint).eos_token_ids == [2, 7]
+    assert load_model_config(checkpoint).eos_token_ids == [2, 7]
 
 
 def test_peak_memory_while_loading_stays_near_model_size(tmp_path):
