@@ -222,3 +222,19 @@ def test_only_the_registry_names_a_model_family():
              if target in families and component(module) in RUNTIME and module not in FAMILY_TOOLS
              and not module.startswith("warpspec.workers.models.")]
     assert families and not found, "a model family named outside the registry:\n" + "\n".join(found)
+
+
+def test_no_runtime_module_over_600_lines_nor_class_over_400():
+    """One concept per file (STYLE.md): past these sizes a module or class holds several."""
+    found = []
+    for path in modules().values():
+        relative = str(path.relative_to(REPO))
+        if relative.split("/")[0] not in ("cluster", "workers", "kernels"):
+            continue
+        text = path.read_text()
+        if text.count("\n") > 600:
+            found.append(f"{relative}: {text.count(chr(10))} lines")
+        found += [f"{relative}: class {node.name} {node.end_lineno - node.lineno + 1} lines"
+                  for node in ast.walk(ast.parse(text))
+                  if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400]
+    assert not found, "\n".join(found)

@@ -38,6 +38,7 @@ from warpspec.core.sequence import Sequence
 from warpspec.core.speculation import DRAFT_BACKLOG, Speculation
 from warpspec.core.startup import StartupTimer
 from warpspec.core.stats import EngineStats
+from warpspec.core.warm_up import STAND_IN_PROMPT_ID, WARM_UP_PROMPT_TOKENS, graphs_built_by, run_stand_in_prompt
 from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
 from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
@@ -46,14 +47,13 @@ from warpspec.sample.sampler import sample, top_logprobs
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.cost_model import StepCostModel
 from warpspec.spec_decode.methods import load_proposer
-from warpspec.spec_decode.proposer import DraftRequest, Proposer
+from warpspec.spec_decode.proposer import Proposer
 from warpspec.spec_decode.stats import SpeculationStats
 from warpspec.structured_output.grammar import masked
 from warpspec.tokenizer import Tokenizer
 from warpspec.workers.kv_groups import kv_group_layout
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.step import SequenceStep, StepOutput, StepPlan
-from warpspec.workers.step_artifacts import graphs_built
 
 
 class Executor(Protocol):
@@ -71,18 +71,6 @@ class Executor(Protocol):
         """One step on every rank: rank 0's logits, and the hidden states aux_layer_ids asked for."""
 
     def shutdown(self) -> None: ...
-
-# The stand-in prompt's length at start-up (EngineCore._warm_up_prefill): 8 tokens left the first
-# request as slow as without it, 64 and more did not.
-WARM_UP_PROMPT_TOKENS = 256
-
-
-def _graphs_built(warm_up, whose: str) -> str:
-    """Run warm_up; say how many graphs this process loaded from the compile cache and compiled."""
-    hits, misses = graphs_built()
-    warm_up()
-    new_hits, new_misses = graphs_built()
-    return f"{whose}: {new_hits - hits} graphs loaded from the compile cache, {new_misses - misses} compiled"
 
 
 class EngineCore:
@@ -141,7 +129,7 @@ class EngineCore:
             self.executor.warm_up(aux_layer_ids)  # nothing to build: not a phase
         else:
             with self.startup.phase("compile target steps") as phase:
-                phase.detail = _graphs_built(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
+                phase.detail = graphs_built_by(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
         if warm_up_draft is None:
             with self.startup.phase("warm-up prompt") as phase:
@@ -151,7 +139,7 @@ class EngineCore:
             warm_up_draft()  # a proposer of the caller's own may warm up without compiling
         else:
             with self.startup.phase("compile draft steps") as phase:
-                phase.detail = _graphs_built(warm_up_draft, "draft")
+                phase.detail = graphs_built_by(warm_up_draft, "draft")
         with self.startup.phase("warm-up prompt") as phase:
             phase.detail = self._warm_up_prefill(with_draft=True)
         k = self.draft_lengths.max_drafts
@@ -162,31 +150,14 @@ class EngineCore:
             self.left_request_ids.extend(stand_in_ids)
 
     def _warm_up_prefill(self, with_draft: bool) -> str:
-        """One stand-in prompt of random tokens through the target, and with_draft the draft's first
-        proposal after it (a proposer with warm_up takes stand-ins, as for the step timing), before
-        the first request. A process's first prefills pay for the memory their activations take the
-        first time (page faults) and for first calls into the GEMM library: the bundled pair's first
-        33-token request took 28-38 ms in-process against 15-25 for the next ones, 23-33 ms after a
-        stand-in of 256 tokens. It runs in the first blocks, which no request holds yet, and leaves
-        the executor's batch with the next step."""
+        """A stand-in prompt as long as a step and the cache allow (warm_up.run_stand_in_prompt)."""
         num_tokens = min(WARM_UP_PROMPT_TOKENS, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1,
                          self.executor.num_blocks * self.block_size)
-        generator = torch.Generator().manual_seed(0)
-        token_ids = torch.randint(self.model_config.vocab_size, (num_tokens + 1,), generator=generator).tolist()
-        table = list(range(-(-num_tokens // self.block_size)))
-        request_id = "warm-up-prompt"
+        self.left_request_ids.append(STAND_IN_PROMPT_ID)
         aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
-        windows = [table] * self.kv_layout.num_window_groups  # a hybrid cache's chunked groups
-        plan = StepPlan([SequenceStep(token_ids[:-1], 0, table, num_tokens - 1, request_id, windows)],
-                        self.block_size, aux_layer_ids, chunk_size=self.kv_layout.chunk_size)
-        output = self.executor.execute(plan)
-        self.left_request_ids.append(request_id)
-        if with_draft:  # its features at p with the token at p + 1, the last one as if sampled
-            request = DraftRequest(request_id, token_ids[1:], 0, 0, self.draft_lengths.max_drafts, table, 0.0,
-                                   KeyedRandom(0), context=token_ids)
-            self.proposer.propose([request], output.aux_hidden)
-            self.proposer.release([request_id])
-        return f"{num_tokens} tokens"
+        return run_stand_in_prompt(self.executor, self.kv_layout, self.block_size, num_tokens,
+                                   self.model_config.vocab_size, aux_layer_ids,
+                                   (self.proposer, self.draft_lengths.max_drafts) if with_draft else None)
 
     def _load_proposer(self) -> Proposer:
         # With one shard (in this process, or the coordinator's only one) a draft model shares the
@@ -308,7 +279,9 @@ class EngineCore:
     def _run_step(self, sched: SchedulerOutput, step_start: float) -> list[RequestDelta]:
         now = run_start = time.perf_counter()
         plan = []
-        padded_len = self._padded_len(sched.scheduled)
+        graphs = self.config.cuda_graph_config()
+        padded_len = self.scheduler.pad_to_compiled(sched.scheduled, graphs.query_lens if graphs else (),
+                                                    self.max_model_len)
         for item in sched.scheduled:
             item.seq.first_scheduled_time = item.seq.first_scheduled_time or now
             # [t, d1] padded to 4: [t, d1, d1, d1]; the padding's KV lands past the last known token,
@@ -386,30 +359,6 @@ class EngineCore:
         if self.speculation is not None:
             self.speculation.observe_step(sched.scheduled, plan, execute_s, step_s - execute_s - draft_s)
         return outputs
-
-    def _padded_len(self, scheduled: list[ScheduledSequence]) -> int:
-        """The length every sequence's share of a step of decodes and verifications is padded to, so
-        that the step runs compiled (or as a CUDA graph): the shortest compiled length that holds the
-        longest share, when max_model_len and the free blocks hold the padding; else 0 (nothing
-        padded). Without it a verification of fewer drafts than k (near max_tokens), or beside shorter
-        ones (penalties, opted out), ran eagerly: 24 ms against 8.5 for the bundled pair at batch 8."""
-        graphs = self.config.cuda_graph_config()
-        if graphs is None or not all(item.samples and len(item.token_ids) == len(item.draft_token_ids) + 1
-                                     and not item.wants_prompt_logprobs for item in scheduled):
-            return 0
-        longest = max(len(item.token_ids) for item in scheduled)
-        padded = min((q for q in graphs.query_lens if q >= longest), default=0)
-        if not padded or any(item.num_cached + padded > self.max_model_len for item in scheduled):
-            return 0
-        # A share ending near its request's last block may need one more for the padding's KV: taken
-        # when free (the request gives it back when it ends), else the step runs as it is.
-        blocks = self.block_manager
-        needed = sum(blocks.num_blocks_to_grow(item.seq.request_id, item.num_cached + padded) for item in scheduled)
-        if needed > blocks.num_free_blocks:
-            return 0
-        for item in scheduled:
-            blocks.allocate(item.seq.request_id, item.num_cached + padded)
-        return padded
 
     def _choose_tokens(self, scheduled: list[ScheduledSequence], sample_rows: list[int], logits: torch.Tensor,
                        ) -> list[tuple[list[int] | None, list[PositionLogprobs] | None]]:

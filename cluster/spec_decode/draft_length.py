@@ -154,7 +154,7 @@ class DraftLengthPolicy:
     def tokens_per_s(self, wants: list[DraftWant], counts: list[int]) -> float | None:
         """The modelled rate of a step where request i verifies counts[i] drafts."""
         num_seqs, longest = len(counts), max(counts)
-        # The engine pads shorter verifications to a compiled length (EngineCore._padded_len).
+        # The engine pads shorter verifications to a compiled length (Scheduler.pad_to_compiled).
         uniform = min(counts) == longest or (self.padded and longest in self.lengths)
         target = (self.costs.target_time(num_seqs, longest + 1) if uniform
                   else self.costs.mixed_time(num_seqs, longest + 1))

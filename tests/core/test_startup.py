@@ -9,8 +9,8 @@ import pytest
 
 from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_target
 from warpspec import LLM, SamplingParams
-from warpspec.core.engine_core import WARM_UP_PROMPT_TOKENS
 from warpspec.core.startup import StartupPhase, StartupTimer, startup_table
+from warpspec.core.warm_up import WARM_UP_PROMPT_TOKENS
 
 
 def test_phases_are_kept_in_order_with_their_time_and_what_they_did():
