@@ -7,7 +7,7 @@ RUN_DIR ?= runs
 BUNDLE := assets
 CORPUS := /usr/share/doc/linux-doc-6.1/html/_sources
 
-.PHONY: install demo bundle test lint clean gpu-check vllm-peer
+.PHONY: install demo bundle test lint docs clean gpu-check vllm-peer
 
 install: $(STAMP)
 
@@ -55,10 +55,14 @@ vllm-peer:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The documentation site (docs/, mkdocs.yml) into $(RUN_DIR)/site; strict: a broken link or anchor fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir $(RUN_DIR)/site
+
 # One test process by default (what CI runs). TEST_PROCESSES=2: the tests that use Ray in one process,
 # one at a time, the rest shared out (tests/conftest.py); on CI's machine that ran twice as long.
 TEST_PROCESSES ?= 1
-test: lint
+test: lint docs
 	$(PY) -m pytest -q $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadgroup)
 
 clean:

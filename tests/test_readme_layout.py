@@ -1,5 +1,6 @@
-"""The README's layout table names every folder git holds, and nothing else: the top-level folders,
-each subpackage of cluster/ with its import name, and workers/'s subpackages."""
+"""The layout table of the documentation (docs/architecture.md) names every folder git holds, and
+nothing else: the top-level folders, each subpackage of cluster/ with its import name, and workers/'s
+subpackages. The README stays a front door: short, and every figure in it names its host."""
 
 import re
 import subprocess
@@ -9,8 +10,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def layout_rows() -> dict[str, str]:
-    """{'cluster/core/': 'warpspec.core', 'k8s/': '', ...} from the README's "## Layout" table."""
-    section = REPO.joinpath("README.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    """{'cluster/core/': 'warpspec.core', 'k8s/': '', ...} from the "## Layout" table of the architecture page."""
+    section = REPO.joinpath("docs", "architecture.md").read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         match = re.match(r"\| `([^`]+/)` \| (?:`([^`]+)`)? *\|", line)
@@ -36,3 +37,14 @@ def test_each_cluster_subpackage_row_gives_its_import_name():
     for folder, name in layout_rows().items():
         if folder.startswith("cluster/") and folder != "cluster/":
             assert name == "warpspec." + folder.removeprefix("cluster/").rstrip("/"), folder
+
+
+def test_the_readme_is_a_front_door():
+    """At most 250 lines, its links lead to files that exist, and each row of its figures names a host."""
+    readme = REPO.joinpath("README.md").read_text()
+    assert readme.count("\n") <= 250
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert links and all(REPO.joinpath(link).exists() for link in links if "://" not in link), links
+    figures = readme.split("\n## Headline figures\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in figures.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert rows and all(re.search(r"Intel|AMD EPYC|H100|H200", row.rsplit("|", 2)[1]) for row in rows), rows

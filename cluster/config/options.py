@@ -4,7 +4,7 @@ Each front end is derived from this table, so an option reachable from one is re
 - `LLM(model, **options)`, `AsyncLLM(model, **options)` / `AsyncLLM.from_options`: engine_config();
 - `warpspec generate` and `warpspec serve` flags: add_engine_flags() / engine_options_from_flags();
 - the serve config and build_app args: ServeConfig reads them through parse_option();
-- the README's option table: options_table() (a test holds the README to it).
+- the documentation's option table (docs/options.md): options_table() (a test holds the page to it).
 
 The checks on values stay with the config dataclasses (engine.py), which name the field and limit.
 """
@@ -214,7 +214,7 @@ def engine_options_from_flags(namespace: argparse.Namespace, skip: tuple[str, ..
 
 
 def options_table() -> str:
-    """The README's table of engine options, one row per option."""
+    """The documentation's table of engine options (docs/options.md), one row per option."""
     rows = ["| option | default | what it sets |", "|---|---|---|"]
     for option in ENGINE_OPTIONS:
         choices = f" ({' / '.join(option.choices)})" if option.choices else ""

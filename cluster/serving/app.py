@@ -77,7 +77,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     Model and engine:
         model (required): the target checkpoint folder, readable on every node that hosts a replica.
         model_name: the name clients use (OpenAI `model`); default the folder's name.
-        Every engine option, by name (warpspec.config.options.ENGINE_OPTIONS; the README's table
+        Every engine option, by name (warpspec.config.options.ENGINE_OPTIONS; docs/options.md's table
         lists each with its default): dtype, max_model_len, quantization, device ("auto": cuda when
         the Ray cluster has GPUs), deterministic, the KV cache (kv_cache_memory_gib per worker or
         num_kv_blocks, block_size, hybrid_kv_cache), the scheduler (max_num_seqs, max_num_batched_tokens,

@@ -28,7 +28,7 @@ from warpspec.serving.serve_config import DEFAULT_APP_NAME, GRPC_SERVICER_FUNCTI
 # KubeRay) needs them in its own environment (the Dockerfile sets them).
 SERVE_ENVIRONMENT = {
     # Serve's proxies reach replicas over gRPC instead of Ray actor calls: each streamed message and
-    # each request cost the proxy and the replica less CPU (bench serve, 8 streams: see the README).
+    # each request cost the proxy and the replica less CPU (bench serve, 8 streams: docs/serving.md).
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     # That channel's own message limit (4 MiB by default) would refuse requests the front ends accept
     # (max_request_bytes) and large replies (many echoed prompts with logprobs); the public proxies

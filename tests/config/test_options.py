@@ -1,7 +1,7 @@
 """One definition of every engine option (config/options.py) reaches every front end: LLM and
 AsyncLLM keyword arguments, `warpspec generate` and `warpspec serve` flags, serve config args and
-build_app's docstring, and the README's option table. A test here fails when an option is reachable
-from one front end but not another."""
+build_app's docstring, and the documentation's option table (docs/options.md). A test here fails when
+an option is reachable from one front end but not another."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from warpspec.entrypoints.async_llm import AsyncLLM
 from warpspec.serving.app import build_app
 from warpspec.serving.serve_config import ServeConfig
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+OPTIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 
 # A value other than the default for every option, valid on its own.
 SAMPLE = {"dtype": "bfloat16", "max_model_len": 64, "quantization": "fp8", "device": "cpu", "deterministic": True,
@@ -77,8 +77,8 @@ def test_every_option_is_a_serve_arg_and_in_build_apps_docstring():
         assert option.name in build_app.__doc__, option.name
 
 
-def test_the_readme_table_is_the_options_table():
-    assert options_table() in README.read_text()
+def test_the_documented_table_is_the_options_table():
+    assert options_table() in OPTIONS_PAGE.read_text()
 
 
 def test_llm_and_async_llm_take_options_by_name_alike():
