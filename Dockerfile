@@ -14,7 +14,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ && rm -
 USER ray
 
 # Heavy dependencies in their own layer, so a code change rebuilds in seconds. CuPy with the NCCL
-# library is the workers' GPU collective backend (workers/comm.py); importing CuPy alone is not enough.
+# library is the workers' GPU collective backend (workers/distributed/comm.py); importing CuPy alone is not enough.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch>=2.6" \
  && pip install --no-cache-dir "cupy-cuda12x>=13" nvidia-nccl-cu12
 

@@ -1,5 +1,5 @@
 """`warpspec bench collectives`: one all-reduce between CPU ranks of one host, over gloo (loopback
-TCP) and over shared memory (workers/shm_comm.py), side by side in one run: the per-call time of
+TCP) and over shared memory (workers/distributed/shm_comm.py), side by side in one run: the per-call time of
 each backend for the rows a decode step, a verification, a batch-8 verification and a prompt chunk
 reduce. Each rank runs one torch thread in a process of its own; Markdown and JSON under runs/bench/."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from warpspec.workers.comm import CommInit
-from warpspec.workers.communicators import make_communicator
+from warpspec.workers.distributed.comm import CommInit
+from warpspec.workers.distributed.communicators import make_communicator
 from warpspec.workers.worker import address_and_free_port
 
 BACKENDS = ("gloo", "shm")

@@ -95,7 +95,7 @@ def timed(run: Callable, prompts: list[list[int]]) -> tuple[float, list[list[int
 
 
 def thread_choices(systems: list[dict]) -> dict[str, dict[str, int]]:
-    """The thread count each in-process compiled graph runs with, per system (workers/cpu_threads.py),
+    """The thread count each in-process compiled graph runs with, per system (workers/compile/cpu_threads.py),
     keyed "(query length, one sequence)"; the draft's graphs are marked "draft"."""
     chosen = {}
     for s in systems:

@@ -22,7 +22,7 @@ import torch
 from warpspec.benchmarks.maverick_rank import fill_random
 from warpspec.benchmarks.timing import median_ms
 from warpspec.kernels import PagedAttentionMetadata
-from warpspec.workers.eagle3 import Eagle3Config, Eagle3Draft
+from warpspec.workers.models.eagle3_draft import Eagle3Config, Eagle3Draft
 
 
 @dataclass

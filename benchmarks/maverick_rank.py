@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from warpspec.benchmarks.timing import median_ms
-from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig, CudaGraphRunner
 from warpspec.workers.kv_cache import allocate_kv_cache
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.models.decoder import GatedMLP

@@ -23,7 +23,7 @@ from warpspec.benchmarks.report import write_report
 from warpspec.entrypoints.llm import LLM
 from warpspec.kernels import moe_experts, route_topk_sigmoid
 from warpspec.sampling_params import SamplingParams
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.loader import load_model
 from warpspec.workers.models.llama4 import Llama4MoE
 

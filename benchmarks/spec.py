@@ -11,7 +11,7 @@ import time
 from warpspec.benchmarks.report import write_report
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.spec_decode.speculation_stats import SpeculationStats
 
 
 def _prompts(llm: LLM, batch: int, prompt_len: int) -> list[list[int]]:

@@ -36,9 +36,9 @@ from warpspec.benchmarks.report import write_report
 from warpspec.config.engine import MAX_SPECULATIVE_TOKENS
 from warpspec.entrypoints.llm import LLM
 from warpspec.sampling_params import SamplingParams
-from warpspec.spec_decode.stats import acceptance_length
-from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
+from warpspec.spec_decode.speculation_stats import acceptance_length
 from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.models.eagle3_draft import Eagle3Draft, load_eagle3
 from warpspec.workers.models.registry import load_model_config
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput

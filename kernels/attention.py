@@ -76,7 +76,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     head_dim], keys then values.
 
     One indexed store into the whole cache tensor, not one into each half: a compiled step (see
-    workers/compiled_step.py) keeps a store into a graph input in place, but copies the whole cache
+    workers/compile/compiled_step.py) keeps a store into a graph input in place, but copies the whole cache
     for a store into a view of it."""
     block_size = kv_cache.shape[2]
     kv_half = torch.arange(2, device=kv_cache.device)[:, None]  # [2, 1] against [1, num_tokens]

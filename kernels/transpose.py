@@ -1,6 +1,6 @@
 """A transposing copy of 2D CPU tensors for loading weights, about 1.5x as fast as torch's best.
 
-A CPU model stores its routed experts input-major (workers/llama4.py, lay_out_inputs_contiguous), so
+A CPU model stores its routed experts input-major (workers/models/llama4.py, lay_out_inputs_contiguous), so
 the loader writes every expert transposed from the checkpoint's layout: most of a MoE checkpoint's
 bytes. torch has no fast transposing copy: `out.copy_(src.t())` walks the output element by element
 with a strided read. Measured on 2 cores (a [1024, 2048] bf16 expert, 32 of them, torch 2.13):

@@ -10,7 +10,7 @@ import pytest
 # process's torch badly (Ray's actors, or a second test process: below).
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# ...but a short spin first (workers/cpu_threads.py), read by libgomp as torch loads it: with none,
+# ...but a short spin first (workers/compile/cpu_threads.py), read by libgomp as torch loads it: with none,
 # each of a step's parallel regions woke the threads, and entrypoints, core, structured_output and
 # sample took 79.8 s against 70.4 s with it (one sitting).
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 INTERNAL = {
     "OutOfBlocksError": "core/block_manager.py: the scheduler catches it and preempts",
     "GrpcStatusError": "serving/deployment.py: carries a status already set on the gRPC context",
-    "CollectiveError": "workers/comm.py: the coordinator turns it into WorkerDiedError",
+    "CollectiveError": "workers/distributed/comm.py: the coordinator turns it into WorkerDiedError",
     "CheckpointError": "workers/errors.py: re-exported by warpspec.errors",
 }
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Imports a plain install may lack, and the extra (or the tool) that provides each.
 OPTIONAL = {
     "triton": "gpu",  # kernels/triton, loaded only where Triton runs
-    "cupy": "gpu",  # the NCCL backend of workers/comm.py
+    "cupy": "gpu",  # the NCCL backend of workers/distributed/comm.py
     "transformers": "bench",  # the reference beside warpspec in bench compare / throughput
     "matplotlib": "bench",
     "xgrammar": "bench",  # compared with llguidance in bench structured_output

@@ -29,7 +29,7 @@ def tracked_folders() -> set[str]:
 
 def test_the_layout_table_lists_exactly_the_folders_in_git():
     rows = layout_rows()
-    assert set(rows) == tracked_folders(), (f"missing from the README: {sorted(tracked_folders() - set(rows))}; "
+    assert set(rows) == tracked_folders(), (f"missing from the table: {sorted(tracked_folders() - set(rows))}; "
                                             f"not in git: {sorted(set(rows) - tracked_folders())}")
 
 

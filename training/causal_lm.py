@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from warpspec.workers.models.decoder import Attention, DecoderForCausalLM
-from warpspec.workers.rope import rope_freqs_cis
+from warpspec.workers.models.rotary import rope_freqs_cis
 
 
 def attention_mask(length: int, chunk_size: int | None, device: torch.device) -> torch.Tensor | None:

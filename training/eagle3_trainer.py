@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from warpspec.tokenizer import Tokenizer
-from warpspec.workers.eagle3 import TENSOR_NAMES, Eagle3Config, Eagle3Draft
 from warpspec.workers.kv_cache import CacheConfig
+from warpspec.workers.models.eagle3_draft import TENSOR_NAMES, Eagle3Config, Eagle3Draft
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
 

@@ -24,7 +24,7 @@ from torch import nn
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.fp8 import FP8_DTYPE, fp8_linear, quantize_fp8, quantize_fp8_columns
 from warpspec.kernels.transpose import transpose
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 
 

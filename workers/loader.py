@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from warpspec.kernels.fp8 import FP8_DTYPE
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import CheckpointTensor
 from warpspec.workers.model_config import ModelConfig

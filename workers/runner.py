@@ -12,11 +12,11 @@ from tqdm import tqdm
 
 from warpspec.kernels import batch_invariant
 from warpspec.kernels.dispatch import kernel_mode, triton_available
-from warpspec.workers.comm import Communicator, collective_failures
-from warpspec.workers.compile_helpers import build_in_helpers
-from warpspec.workers.compiled_step import CompiledStepRunner
-from warpspec.workers.cpu_threads import advise_on_sleeping_threads, fastest_thread_count, graph_thread_count
-from warpspec.workers.cuda_graphs import CudaGraphConfig, CudaGraphRunner
+from warpspec.workers.compile.compile_helpers import build_in_helpers
+from warpspec.workers.compile.compiled_step import CompiledStepRunner
+from warpspec.workers.compile.cpu_threads import advise_on_sleeping_threads, fastest_thread_count, graph_thread_count
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig, CudaGraphRunner
+from warpspec.workers.distributed.comm import Communicator, collective_failures
 from warpspec.workers.kv_cache import CacheConfig, allocate_kv_cache
 from warpspec.workers.kv_groups import kv_group_layout
 from warpspec.workers.loader import load_model
@@ -30,7 +30,7 @@ class ModelRunner:
                  quantization: str | None = None, moe_parallel: str = "tensor", deterministic: bool = False):
         """cuda_graphs: the decode/verify step shapes to capture as CUDA graphs on CUDA devices (not
         when the torch references run there: WARPSPEC_KERNELS=reference or no Triton), or to run
-        torch.compile'd on the CPU (workers/compiled_step.py); None runs every step eagerly.
+        torch.compile'd on the CPU (workers/compile/compiled_step.py); None runs every step eagerly.
         deterministic: run (and capture) every step in kernels/batch_invariant.py's mode."""
         self.device = torch.device(device)
         self.deterministic = deterministic

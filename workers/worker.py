@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from warpspec.workers.comm import CommInit
-from warpspec.workers.communicators import make_communicator
-from warpspec.workers.compile_cache import open_compile_cache
-from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.compile_cache import open_compile_cache
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
+from warpspec.workers.distributed.comm import CommInit
+from warpspec.workers.distributed.communicators import make_communicator
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.persistent_batch import BatchUpdate, PersistentBatch
 from warpspec.workers.runner import ModelRunner

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from warpspec.training.random_checkpoint import create_random_checkpoint
-from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput

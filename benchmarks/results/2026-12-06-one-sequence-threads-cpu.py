@@ -1,5 +1,5 @@
 """A lone sequence's compiled decode step on 1 thread against 2, and what the eager timing that
-picks the count (workers/cpu_threads.py) sees, in one process. Run it under each OpenMP wait policy.
+picks the count (workers/compile/cpu_threads.py) sees, in one process. Run it under each OpenMP wait policy.
 
 First the eager step of one sequence timed as an engine's start times it (fastest_thread_count), 4
 times; then two runners of the checkpoint, one whose one-sequence graph is built with 1 thread and
@@ -21,8 +21,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from warpspec.workers.cpu_threads import fastest_thread_count  # noqa: E402
-from warpspec.workers.cuda_graphs import CudaGraphConfig  # noqa: E402
+from warpspec.workers.compile.cpu_threads import fastest_thread_count  # noqa: E402
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig  # noqa: E402
 from warpspec.workers.kv_cache import CacheConfig  # noqa: E402
 from warpspec.workers.runner import ModelRunner  # noqa: E402
 from warpspec.workers.step import SequenceStep, StepInput  # noqa: E402

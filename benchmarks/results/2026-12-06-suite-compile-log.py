@@ -20,7 +20,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_configure(config):
-    from warpspec.workers import step_artifacts
+    from warpspec.workers.compile import step_artifacts
 
     log = open(os.environ.get("COMPILE_LOG", "compile-log.jsonl"), "a")  # noqa: SIM115 - open for the session
     compile_whole = step_artifacts.StepArtifacts.compile

@@ -1,4 +1,4 @@
-"""A cold start with compile helpers against one without (workers/compile_helpers.py), side by side.
+"""A cold start with compile helpers against one without (workers/compile/compile_helpers.py), side by side.
 
 Each start is a process of its own on an empty compile cache: the bundled pair (or the target alone
 with --plain), float32, in process; then 4 held-out prompts x 32 greedy tokens. The rounds alternate

@@ -20,7 +20,7 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60))]
 
 
 def unloaded_draft(path, target, embed_tokens, dtype, aux_layer_offset=0):
-    from warpspec.workers.eagle3 import Eagle3Config, Eagle3Draft
+    from warpspec.workers.models.eagle3_draft import Eagle3Config, Eagle3Draft
 
     draft = Eagle3Draft(Eagle3Config.from_pretrained(path, target, aux_layer_offset), embed_tokens, dtype)
     draft.d2t.zero_()

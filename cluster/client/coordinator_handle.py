@@ -12,8 +12,8 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
-from warpspec.client.coordinator import CoordinatorActor
 from warpspec.config.engine import EngineConfig
+from warpspec.coordinator.actor import CoordinatorActor
 from warpspec.core.messages import CoreInput, StepReply
 from warpspec.core.requests import check_kv_capacity
 from warpspec.core.startup import StartupPhase, StartupTimer

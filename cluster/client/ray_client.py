@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 from warpspec.client.coordinator_handle import CoordinatorHandle
 from warpspec.config.engine import EngineConfig
+from warpspec.core.engine_stats import EngineStats
 from warpspec.core.messages import CoreInput, RequestDelta, StepReply
 from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
-from warpspec.core.stats import EngineStats
 from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
 from warpspec.sampling_params import SamplingParams
-from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.spec_decode.speculation_stats import SpeculationStats
 from warpspec.tokenizer import Tokenizer
 from warpspec.workers.kv_groups import kv_group_layout
 

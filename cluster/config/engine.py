@@ -177,11 +177,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     run_dir: str = "runs"  # where a locally started Ray keeps its session files
-    # Compiled steps' artifacts (workers/compile_cache.py): None keeps them under run_dir/inductor
+    # Compiled steps' artifacts (workers/compile/compile_cache.py): None keeps them under run_dir/inductor
     # (or where TORCHINDUCTOR_CACHE_DIR says); a folder every replica mounts shares them.
     compile_cache: str | None = None
     # Decode and verification steps replay captured CUDA graphs on CUDA devices and run
-    # torch.compile'd on a one-rank CPU replica (workers/compiled_step.py); True runs every step
+    # torch.compile'd on a one-rank CPU replica (workers/compile/compiled_step.py); True runs every step
     # eagerly (debugging, profiling single kernels). WARPSPEC_ENFORCE_EAGER=1 in the environment makes
     # True the default, for programs that build many short-lived engines (the test suite), where each
     # engine's compile costs more than it saves.
@@ -193,7 +193,7 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
     def cuda_graph_config(self):
-        from warpspec.workers.cuda_graphs import CudaGraphConfig
+        from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
 
         if self.enforce_eager:
             return None

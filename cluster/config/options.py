@@ -28,7 +28,7 @@ from warpspec.config.engine import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import DEFAULT_MEMORY_GIB, CacheConfig
 
 

@@ -5,7 +5,7 @@
                                       core.step() while anything is unfinished
     replies  <------------------------  StepReply: token ids, finish reasons, stats, failures
 
-Plain Python over an EngineCore, with no Ray: the coordinator actor (client/coordinator.py) hosts
+Plain Python over an EngineCore, with no Ray: the coordinator actor (coordinator/actor.py) hosts
 one and streams its replies to the replica; a test builds one over a LocalExecutor and steps it.
 """
 

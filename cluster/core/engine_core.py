@@ -17,7 +17,7 @@ Detokenization, stop strings and the outputs users see are the front end's (entr
 which aborts a request here when a stop string ends it. The front ends: LLM (blocking, a batch at
 a time) and AsyncLLM (streaming, many users). With one local worker the core runs in their process
 over a LocalExecutor; with Ray workers a CoreLoop (core_loop.py) steps it inside the replica's
-coordinator actor over a DriverExecutor (client/coordinator.py), and the front ends reach it through
+coordinator actor over a DriverExecutor (coordinator/actor.py), and the front ends reach it through
 a RayCoreClient (client/ray_client.py). The core knows its executor only by the Executor protocol.
 """
 
@@ -31,13 +31,13 @@ import torch
 
 from warpspec.config.engine import EngineConfig
 from warpspec.core.block_manager import BlockManager
+from warpspec.core.engine_stats import EngineStats
 from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import NewRequest, Prompt, RequestValidator, resolve_max_model_len
 from warpspec.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from warpspec.core.sequence import Sequence
 from warpspec.core.speculation import DRAFT_BACKLOG, Speculation
 from warpspec.core.startup import StartupTimer
-from warpspec.core.stats import EngineStats
 from warpspec.core.warm_up import STAND_IN_PROMPT_ID, WARM_UP_PROMPT_TOKENS, graphs_built_by, run_stand_in_prompt
 from warpspec.errors import EngineError, InvalidRequestError, StepFailedError
 from warpspec.outputs import PositionLogprobs
@@ -48,7 +48,7 @@ from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.cost_model import StepCostModel
 from warpspec.spec_decode.methods import load_proposer
 from warpspec.spec_decode.proposer import Proposer
-from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.spec_decode.speculation_stats import SpeculationStats
 from warpspec.structured_output.grammar import masked
 from warpspec.tokenizer import Tokenizer
 from warpspec.workers.kv_groups import kv_group_layout

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from warpspec.core.engine_stats import EngineStats
 from warpspec.core.requests import NewRequest
-from warpspec.core.stats import EngineStats
 from warpspec.errors import StepFailedError
 from warpspec.outputs import PositionLogprobs
-from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.spec_decode.speculation_stats import SpeculationStats
 
 
 @dataclass

@@ -14,7 +14,7 @@ from warpspec.outputs import PositionLogprobs
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.sampling_params import SamplingParams
 from warpspec.spec_decode.draft_length import AcceptanceEstimate
-from warpspec.spec_decode.stats import speculation_metrics
+from warpspec.spec_decode.speculation_stats import speculation_metrics
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

@@ -24,7 +24,7 @@ from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.cost_model import StepCostModel
 from warpspec.spec_decode.draft_length import DraftLengthPolicy, DraftWant
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
-from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.spec_decode.speculation_stats import SpeculationStats
 from warpspec.workers.kv_groups import KVGroupLayout
 from warpspec.workers.step import SequenceStep, StepPlan
 

@@ -10,9 +10,9 @@ import torch
 
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.proposer import DraftRequest, Proposer
+from warpspec.workers.compile.step_artifacts import graphs_built
 from warpspec.workers.kv_groups import KVGroupLayout
 from warpspec.workers.step import SequenceStep, StepPlan
-from warpspec.workers.step_artifacts import graphs_built
 
 # The stand-in prompt's length at most: 8 tokens left the first request as slow as without it, 64
 # and more did not.

@@ -27,16 +27,16 @@ from typing import Any
 from warpspec.client import make_core_client
 from warpspec.config.engine import EngineConfig
 from warpspec.config.options import engine_config
+from warpspec.core.engine_stats import EngineStats
 from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import Prompt
 from warpspec.core.startup import StartupPhase
-from warpspec.core.stats import EngineStats
 from warpspec.entrypoints.output_processor import OutputProcessor
 from warpspec.errors import EngineError, EngineOverloadedError, InvalidRequestError, StepFailedError
 from warpspec.outputs import RequestOutput
 from warpspec.sampling_params import SamplingParams
 from warpspec.tracing import RequestTrace
-from warpspec.workers.cpu_threads import in_a_passing_thread
+from warpspec.workers.compile.cpu_threads import in_a_passing_thread
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class AsyncLLM:
     async def create(cls, model: str, **options: Any) -> AsyncLLM:
         """from_options, built in a thread: loading weights and starting Ray workers block for seconds.
         The thread ends once the engine is built: an in-process engine then steps on the event loop's
-        thread, the only one that computes (workers/cpu_threads.py says why that matters)."""
+        thread, the only one that computes (workers/compile/cpu_threads.py says why that matters)."""
         return await in_a_passing_thread(cls.from_options, model, **options)
 
     @property

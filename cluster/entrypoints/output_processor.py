@@ -20,7 +20,7 @@ from collections.abc import Callable
 from warpspec.core.messages import RequestDelta
 from warpspec.core.requests import NewRequest
 from warpspec.outputs import PositionLogprobs, RequestOutput
-from warpspec.spec_decode.stats import speculation_metrics
+from warpspec.spec_decode.speculation_stats import speculation_metrics
 from warpspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

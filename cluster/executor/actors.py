@@ -1,5 +1,5 @@
 """The actor shell of ranks 1..N-1: it holds one ShardWorker and forwards calls to it (the
-coordinator actor, rank 0's, is client/coordinator.py's)."""
+coordinator actor, rank 0's, is coordinator/actor.py's)."""
 
 from __future__ import annotations
 

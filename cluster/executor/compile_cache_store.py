@@ -3,7 +3,7 @@ first replica built, instead of compiling.
 
 A node's compile cache folder is its own unless every replica mounts one (the `compile_cache`
 option). So the cluster keeps the artifacts itself: one detached actor on the head node, the
-CompileCacheStore, holds a bundle per (model, process role) (workers/compile_cache.py packs and
+CompileCacheStore, holds a bundle per (model, process role) (workers/compile/compile_cache.py packs and
 checks them). Each process that compiles steps (the coordinator: rank 0 and the draft; each worker
 actor: its rank) warms up inside `shared_compile_cache`:
 
@@ -29,8 +29,8 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from warpspec.config.engine import EngineConfig
-from warpspec.workers.compile_cache import build_fingerprint, list_files, pack, unpack
-from warpspec.workers.step_artifacts import graphs_built
+from warpspec.workers.compile.compile_cache import build_fingerprint, list_files, pack, unpack
+from warpspec.workers.compile.step_artifacts import graphs_built
 
 logger = logging.getLogger(__name__)
 

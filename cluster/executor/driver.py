@@ -1,6 +1,6 @@
 """The executor of a replica on Ray: rank 0 here (vLLM's and SGLang's driver worker), ranks 1..N-1 in
 worker actors it places and drives, all joined in one collective group. It runs inside the
-coordinator actor (client/coordinator.py), whose engine core calls execute() once per step; rank 0's
+coordinator actor (coordinator/actor.py), whose engine core calls execute() once per step; rank 0's
 logits and hidden states never leave this process.
 
     engine core (same process)      DriverExecutor = rank 0                 ranks 1..N-1 (actors.py)
@@ -33,10 +33,10 @@ from warpspec.executor.actors import ShardWorkerActor
 from warpspec.executor.compile_cache_store import compile_cache_key
 from warpspec.executor.placement import worker_resources
 from warpspec.executor.ray_env import unwrap_ray_errors
-from warpspec.workers.comm import CollectiveError, CommInit, make_nccl_unique_id
+from warpspec.workers.distributed.comm import CollectiveError, CommInit, make_nccl_unique_id
+from warpspec.workers.distributed.shm_comm import shared_memory_available
 from warpspec.workers.models.registry import load_model_config, model_class_of
 from warpspec.workers.persistent_batch import BatchMirror
-from warpspec.workers.shm_comm import shared_memory_available
 from warpspec.workers.step import StepOutput, StepPlan
 from warpspec.workers.worker import ShardWorker, WorkerConfig, WorkerInfo, address_and_free_port
 

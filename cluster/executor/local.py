@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from warpspec.config.engine import EngineConfig
-from warpspec.workers.compile_cache import open_compile_cache
+from warpspec.workers.compile.compile_cache import open_compile_cache
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import StepOutput, StepPlan
 

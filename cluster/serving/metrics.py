@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from warpspec.core.stats import EngineStats
+from warpspec.core.engine_stats import EngineStats
 from warpspec.outputs import RequestOutput
-from warpspec.spec_decode.stats import acceptance_length
+from warpspec.spec_decode.speculation_stats import acceptance_length
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Hashable
 import torch
 from tqdm import tqdm
 
-from warpspec.workers.compile_helpers import build_in_helpers
-from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.cpu_threads import fastest_thread_count, graph_thread_count, torch_threads
-from warpspec.workers.torch_internals import mark_dynamic, without_duck_shapes
+from warpspec.workers.compile.compile_helpers import build_in_helpers
+from warpspec.workers.compile.compiled_step import CountingCompiler
+from warpspec.workers.compile.cpu_threads import fastest_thread_count, graph_thread_count, torch_threads
+from warpspec.workers.compile.torch_internals import mark_dynamic, without_duck_shapes
 
 # A step graph's key: (its query length or a name, whether it runs one request).
 GraphKey = tuple[int | str, bool]
@@ -62,7 +62,7 @@ class CompiledWithFallback:
     def __call__(self, *args: torch.Tensor, graph: Hashable | None = None):
         """graph: the key of the step's graph, for a CountingCompiler (its direct calls). Inside a
         graph being compiled (a whole draft step) fn is traced as it is: a saved step graph's guards
-        would otherwise hold this torch.compile, which does not pickle (workers/step_artifacts.py)."""
+        would otherwise hold this torch.compile, which does not pickle (workers/compile/step_artifacts.py)."""
         if torch.compiler.is_compiling():
             return self.eager(*args)
         if graph is None and self.graph_of is not None:
@@ -83,7 +83,7 @@ class DraftGraphs:
     first request."""
 
     def __init__(self):
-        # graph key -> the thread count it runs with (workers/cpu_threads.py).
+        # graph key -> the thread count it runs with (workers/compile/cpu_threads.py).
         self.thread_counts: dict[GraphKey, int] = {}
 
     def run(self, compiled: CompiledWithFallback, inputs: tuple[torch.Tensor, ...], graph: GraphKey):
@@ -94,7 +94,7 @@ class DraftGraphs:
                 first: Callable[[GraphKey], object]) -> None:
         """Choose each graph's thread count first, since a graph guards on the count it was built
         with (workers/cpu_threads.graph_thread_count, as the target's); build what the compile cache
-        lacks several at once in helper processes (workers/compile_helpers.py), warm_up_prompt (the
+        lacks several at once in helper processes (workers/compile/compile_helpers.py), warm_up_prompt (the
         dense halves a prompt runs) with them, the graphs that first(key) sorts first starting
         first; then run each graph and the prompt in this process."""
         for graph, compiled, eager, inputs in graphs:

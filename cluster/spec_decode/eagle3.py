@@ -22,7 +22,7 @@ drafts write scratch KV anyway: their KV and logits are never read. Of the real 
 last one's output is read (by the next draft step), so a compiled catch-up writes KV for every row
 and runs attention, the MLP and lm_head for that row alone. A catch-up over more positions (a
 prompt, or a recompute after preemption) runs eagerly, with its dense halves compiled: on a CPU
-saved whole like the step graphs (workers/step_artifacts.py), so a later start loads them.
+saved whole like the step graphs (workers/compile/step_artifacts.py), so a later start loads them.
 
 When every request drafts greedily and wants all k drafts (the steady state of greedy serving), the
 padded catch-up, the k - 1 steps after it and the argmax between them are one compiled graph: a
@@ -34,7 +34,7 @@ are masked to what its grammar allows next (read at the draft vocabulary's ids),
 consumes each draft, then rolls them back. Where the grammar is complete, or allows no token the
 draft knows, the draft proposes the grammar's first allowed token with certainty: every request
 still drafts k tokens, so verification stays one uniform, compiled step. On a GPU that greedy
-proposal replays a CUDA graph instead (workers/draft_cuda_graphs.py); everything else runs as it
+proposal replays a CUDA graph instead (workers/compile/draft_cuda_graphs.py); everything else runs as it
 did, the dense halves compiled.
 """
 
@@ -58,13 +58,13 @@ from warpspec.spec_decode.draft_runner import (
 )
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
 from warpspec.structured_output.grammar import allowed_next, masked
-from warpspec.workers.compiled_step import MIN_BLOCKS, CountingCompiler, step_marker, widen_block_tables
-from warpspec.workers.cuda_graphs import CudaGraphConfig
-from warpspec.workers.draft_cuda_graphs import DraftGraphRunner
-from warpspec.workers.eagle3 import Eagle3Draft
+from warpspec.workers.compile.compiled_step import MIN_BLOCKS, CountingCompiler, step_marker, widen_block_tables
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.draft_cuda_graphs import DraftGraphRunner
+from warpspec.workers.compile.step_artifacts import StepArtifacts, module_identity
+from warpspec.workers.compile.torch_internals import mark_dynamic
+from warpspec.workers.models.eagle3_draft import Eagle3Draft
 from warpspec.workers.step import SequenceStep, StepInput, int_tensor, padded_block_tables
-from warpspec.workers.step_artifacts import StepArtifacts, module_identity
-from warpspec.workers.torch_internals import mark_dynamic
 
 GREEDY_PROPOSAL = "greedy proposal"  # its graph's key in DraftGraphs.thread_counts
 
@@ -77,7 +77,7 @@ class Eagle3Proposer:
         weight copies are made on first use, a side effect torch.compile would not keep).
         num_speculative_tokens: k, the most drafts a request asks for; catch-ups are padded to k + 1.
         cuda_graphs: on a CUDA device (compiled, not deterministic), replay greedy proposals of these
-        batch sizes and lengths as CUDA graphs (workers/draft_cuda_graphs.py); on a CPU, a largest
+        batch sizes and lengths as CUDA graphs (workers/compile/draft_cuda_graphs.py); on a CPU, a largest
         batch size of 1 (max_num_seqs 1) leaves out the compiled steps' graphs for several requests.
         scratch_blocks: room for scratch blocks after the engine's, made up front
         (draft_runner.scratch_reserve):
@@ -114,7 +114,7 @@ class Eagle3Proposer:
         if compile and not deterministic:
             artifacts = None
             if self.device.type == "cpu":
-                # Saved whole and loaded by name (workers/step_artifacts.py): their guards refuse every
+                # Saved whole and loaded by name (workers/compile/step_artifacts.py): their guards refuse every
                 # later start, as the KV cache is marked dynamic for its whole life and the draft's
                 # rotary and vocabulary-map tensors were made outside inference mode. The name holds
                 # what the graphs are specialized on: the draft's weights' shapes, its config, the
@@ -131,7 +131,7 @@ class Eagle3Proposer:
                                                           graph_of=dense_half_graph if whole is not None else None))
             if artifacts is not None:
                 # The k - 1 steps after the catch-up run one token per request: on a CPU the whole
-                # step, attention included, is one compiled graph (workers/compiled_step.py).
+                # step, attention included, is one compiled graph (workers/compile/compiled_step.py).
                 self.decode_compiler = CountingCompiler(self._decode_forward, artifacts, step_marker(5))
                 self.compiled_decode = CompiledWithFallback(self._decode_forward, "the EAGLE-3 draft's decode step",
                                                             compiled=self.decode_compiler)
@@ -207,7 +207,7 @@ class Eagle3Proposer:
     def _compiled_inputs(step: StepInput, features: torch.Tensor,
                          last_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The arguments of _decode_forward, or with last_rows of _catch_up_forward: block tables
-        widened (workers/compiled_step.py)."""
+        widened (workers/compile/compiled_step.py)."""
         block_tables = widen_block_tables(step.block_tables)
         return (step.input_ids, features, step.positions, step.query_start_loc, step.seq_lens, block_tables,
                 step.slot_mapping, *(() if last_rows is None else (last_rows,)))

@@ -14,10 +14,10 @@ from warpspec.spec_decode.draft_runner import scratch_reserve
 from warpspec.spec_decode.eagle3 import Eagle3Proposer
 from warpspec.spec_decode.ngram import NgramProposer
 from warpspec.spec_decode.proposer import Proposer
-from warpspec.workers.compile_cache import open_compile_cache
-from warpspec.workers.eagle3 import load_eagle3
+from warpspec.workers.compile.compile_cache import open_compile_cache
 from warpspec.workers.loader import read_checkpoint_tensor, resolve_dtype
 from warpspec.workers.model_config import ModelConfig
+from warpspec.workers.models.eagle3_draft import load_eagle3
 
 logger = logging.getLogger(__name__)
 

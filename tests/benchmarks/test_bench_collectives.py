@@ -7,7 +7,7 @@ import json
 import pytest
 
 from warpspec.benchmarks import collectives
-from warpspec.workers.shm_comm import shared_memory_available
+from warpspec.workers.distributed.shm_comm import shared_memory_available
 
 
 @pytest.mark.skipif(not shared_memory_available(), reason="needs an x86-64 host with /dev/shm")

@@ -3,11 +3,11 @@ would have got from each, and what it must not wait for is told apart."""
 
 from __future__ import annotations
 
+from warpspec.core.engine_stats import EngineStats
 from warpspec.core.messages import RequestDelta, StepReply
-from warpspec.core.stats import EngineStats
 from warpspec.errors import StepFailedError
 from warpspec.outputs import Logprob
-from warpspec.spec_decode.stats import SpeculationStats
+from warpspec.spec_decode.speculation_stats import SpeculationStats
 
 
 def _stats(num_running: int) -> EngineStats:

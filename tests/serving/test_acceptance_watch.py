@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from warpspec.core.stats import EngineStats
+from warpspec.core.engine_stats import EngineStats
 from warpspec.serving.metrics import AcceptanceWatch, ReplicaStats
 
 

@@ -13,12 +13,12 @@ from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.draft_runner import CompiledWithFallback, DraftGraphs
 from warpspec.spec_decode.eagle3 import GREEDY_PROPOSAL, Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest
-from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.cuda_graphs import CudaGraphConfig
-from warpspec.workers.eagle3 import Eagle3Draft, load_eagle3
+from warpspec.workers.compile.compiled_step import CountingCompiler
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.torch_internals import fx_graph_cache_counts
 from warpspec.workers.loader import read_checkpoint_tensor
+from warpspec.workers.models.eagle3_draft import Eagle3Draft, load_eagle3
 from warpspec.workers.models.registry import load_model_config
-from warpspec.workers.torch_internals import fx_graph_cache_counts
 
 BLOCK = 4
 K = 3
@@ -128,7 +128,7 @@ def test_a_second_start_loads_the_dense_halves_and_proposes_the_eager_drafts(pro
 @pytest.mark.parametrize("batch_sizes", [(1, 2, 4), (1,)], ids=["several", "one at a time"])
 def test_only_the_draft_graphs_for_one_request_time_their_thread_count(tmp_path, monkeypatch, batch_sizes):
     """One request's graphs time their own step; each graph of two or more serves every batch, and
-    runs with torch's count untimed (workers/cpu_threads.py, as the target's). An engine that runs one
+    runs with torch's count untimed (workers/compile/cpu_threads.py, as the target's). An engine that runs one
     request at a time (max_num_seqs 1: batch sizes (1,)) builds no graph for several."""
     target = make_speculation_target(tmp_path / "target")
     config = load_model_config(target)
@@ -157,7 +157,7 @@ def test_only_the_draft_graphs_for_one_request_time_their_thread_count(tmp_path,
         return 1, {1: 1.0, torch.get_num_threads(): 2.0}
 
     monkeypatch.setattr("warpspec.spec_decode.draft_runner.fastest_thread_count", first_rows_of)
-    # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
+    # As on a first start: no saved build to take the count from (workers/compile/step_artifacts.py).
     monkeypatch.setattr(CountingCompiler, "saved_thread_count", lambda self, graph: None)
     # Timing is the subject, not building: the compiled steps are neither built nor run.
     monkeypatch.setattr(DraftGraphs, "_build", lambda self, compiler, inputs, graph: None)

@@ -20,10 +20,10 @@ from warpspec.sample.rejection_sampler import verify
 from warpspec.serving.metrics import AcceptanceWatch
 from warpspec.spec_decode.draft_runner import scratch_reserve
 from warpspec.spec_decode.proposer import DraftRequest, Drafts
-from warpspec.workers.eagle3 import Eagle3Config
+from warpspec.workers.compile.step_artifacts import graphs_built
 from warpspec.workers.errors import CheckpointError
+from warpspec.workers.models.eagle3_draft import Eagle3Config
 from warpspec.workers.models.registry import load_model_config
-from warpspec.workers.step_artifacts import graphs_built
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -12,7 +12,7 @@ import torch
 from warpspec import LLM, SamplingParams
 from warpspec.training.eagle3_trainer import DraftTrainer, TrainConfig, unrolled_logits
 from warpspec.training.random_checkpoint import create_random_checkpoint
-from warpspec.workers.eagle3 import Eagle3Config, Eagle3Draft
+from warpspec.workers.models.eagle3_draft import Eagle3Config, Eagle3Draft
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from helpers.hf_checkpoints import make_text_checkpoint
 from warpspec import LLM, SamplingParams
 from warpspec.cli.main import main
 from warpspec.kernels.fp8 import FP8_DTYPE
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.kv_cache import allocate_kv_cache
 from warpspec.workers.loader import load_model

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from warpspec.kernels import PagedAttentionMetadata, batch_invariant, paged_attention, rope_qk_norm, write_kv_cache
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.kv_groups import KVGroupLayout
 from warpspec.workers.layers import (
     CheckpointTensor,
@@ -26,7 +26,7 @@ from warpspec.workers.layers import (
     VocabParallelEmbedding,
 )
 from warpspec.workers.model_config import ModelConfig
-from warpspec.workers.rope import rope_freqs_cis, rope_inv_freq
+from warpspec.workers.models.rotary import rope_freqs_cis, rope_inv_freq
 from warpspec.workers.step import StepInput
 
 # Checkpoint tensors that land in a slice of a stacked parameter: (our name, checkpoint name, shard).

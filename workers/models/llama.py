@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from warpspec.kernels import PagedAttentionMetadata
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import CheckpointTensor, RMSNorm, VocabParallelEmbedding
 from warpspec.workers.model_config import ModelConfig

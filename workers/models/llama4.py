@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from warpspec.kernels import PagedAttentionMetadata, moe_experts, route_topk_sigmoid
-from warpspec.workers.comm import Communicator
+from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.errors import CheckpointError
 from warpspec.workers.layers import (
     CheckpointTensor,

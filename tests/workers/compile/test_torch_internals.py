@@ -1,4 +1,4 @@
-"""Each private torch API of workers/torch_internals.py still does what warpspec relies on, on the
+"""Each private torch API of workers/compile/torch_internals.py still does what warpspec relies on, on the
 installed torch: an upgrade that moves or changes one fails here, by name, not deep in a step."""
 
 import contextlib
@@ -7,8 +7,8 @@ import shutil
 
 import torch
 
-from warpspec.workers import torch_internals
-from warpspec.workers.torch_internals import (
+from warpspec.workers.compile import torch_internals
+from warpspec.workers.compile.torch_internals import (
     cached_graphs,
     compile_with_inductor,
     failed_guard,

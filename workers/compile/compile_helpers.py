@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from warpspec.workers import step_artifacts
-from warpspec.workers.torch_internals import inductor_config_patched
+from warpspec.workers.compile import step_artifacts
+from warpspec.workers.compile.torch_internals import inductor_config_patched
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A compiled step's collectives: two custom ops that call a communicator's own exchange.
 
-A compiled step (workers/compiled_step.py) must meet its peers inside the graph, or the compiler
+A compiled step (workers/compile/compiled_step.py) must meet its peers inside the graph, or the compiler
 splits the graph at every collective (measured on the bundled pair over 2 workers, with the
 torch.distributed calls: 114 s to compile and 0.64x the eager speed). torch's functional collectives
 would stay in the graph, but inductor's C++ wrapper (compiled_step.INDUCTOR_PATCHES) cannot call them

@@ -1,4 +1,4 @@
-"""Compiled steps saved whole and loaded by a later start (workers/step_artifacts.py): a second
+"""Compiled steps saved whole and loaded by a later start (workers/compile/step_artifacts.py): a second
 compiler loads what the first built instead of compiling it, with the same results; a corrupt file,
 or one built for another model, is compiled again and replaced, never run; a graph that cannot be
 built whole is compiled through torch.compile."""
@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.step_artifacts import StepArtifacts, graphs_built, module_identity
-from warpspec.workers.torch_internals import DIM_MARKINGS
+from warpspec.workers.compile.compiled_step import CountingCompiler
+from warpspec.workers.compile.step_artifacts import StepArtifacts, graphs_built, module_identity
+from warpspec.workers.compile.torch_internals import DIM_MARKINGS
 
 
 class Scale(torch.nn.Module):
@@ -63,7 +63,7 @@ def test_a_corrupt_file_is_compiled_again_and_replaced(tmp_path, caplog):
     saved.write_bytes(saved.read_bytes()[:1000])
     again = _compiler(model, tmp_path)
     x = torch.randn(4, 16)
-    with caplog.at_level(logging.INFO, logger="warpspec.workers.step_artifacts"):
+    with caplog.at_level(logging.INFO, logger="warpspec.workers.compile.step_artifacts"):
         torch.testing.assert_close(again(x, graph="step"), model.step(x))
     assert (again.num_compiles, again.num_loaded) == (1, 0)
     assert "does not load" in caplog.text and saved.name in caplog.text
@@ -80,7 +80,7 @@ def test_a_graph_built_for_another_model_fails_its_guards_and_is_compiled_again(
     _compiler_for(Scale(factor=2.0))(x, graph="step")
     other = Scale(factor=3.0)
     compiled = _compiler_for(other)
-    with caplog.at_level(logging.INFO, logger="warpspec.workers.step_artifacts"):
+    with caplog.at_level(logging.INFO, logger="warpspec.workers.compile.step_artifacts"):
         torch.testing.assert_close(compiled(x, graph="step"), other.step(x))
     assert (compiled.num_compiles, compiled.num_loaded) == (1, 0)
     # The log names the guard (read through dynamo's private guard manager: this fails if it moves).
@@ -110,7 +110,7 @@ def test_a_graph_built_for_one_cache_size_loads_for_another(tmp_path, caplog):
     torch.testing.assert_close(compiler(small)(index, graph="step"), small.step(index))
     large = Cached(9)
     compiled = compiler(large)
-    with caplog.at_level(logging.INFO, logger="warpspec.workers.step_artifacts"):
+    with caplog.at_level(logging.INFO, logger="warpspec.workers.compile.step_artifacts"):
         index = torch.tensor([8, 1])
         torch.testing.assert_close(compiled(index, graph="step"), large.step(index))
     assert (compiled.num_compiles, compiled.num_loaded) == (0, 1), caplog.text
@@ -126,7 +126,7 @@ def test_models_of_other_shapes_have_other_identities():
 def test_a_graph_with_a_break_is_compiled_through_torch_compile_saying_why(tmp_path, caplog):
     compiled = CountingCompiler(broken, StepArtifacts("broken", tmp_path))
     x = torch.randn(4)
-    with caplog.at_level(logging.INFO, logger="warpspec.workers.compiled_step"):
+    with caplog.at_level(logging.INFO, logger="warpspec.workers.compile.compiled_step"):
         torch.testing.assert_close(compiled(x, graph="step"), (x + 1) * 2)
     assert "cannot be compiled whole" in caplog.text and "step" in compiled.traced_graphs
     assert compiled.num_compiles == 2 and not compiled.whole_graphs  # the two halves, by dynamo

@@ -45,7 +45,7 @@ import time
 import numpy as np
 import torch
 
-from warpspec.workers.comm import CollectiveError, CommInit, GlooCommunicator
+from warpspec.workers.distributed.comm import CollectiveError, CommInit, GlooCommunicator
 
 SLOT_BYTES = 1 << 20  # per rank and parity; larger tensors go through in chunks of this size
 FLAG_STRIDE = 64  # bytes: one cache line per rank's flag, so ranks publishing at once do not contend

@@ -9,7 +9,7 @@ import torch
 
 from helpers.hf_checkpoints import make_text_checkpoint
 from helpers.steps import build_step
-from warpspec.workers.cuda_graphs import (
+from warpspec.workers.compile.cuda_graphs import (
     CudaGraphConfig,
     CudaGraphRunner,
     max_window_blocks,

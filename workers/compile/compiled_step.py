@@ -25,7 +25,7 @@ cache folder (step_artifacts.py), so that a later start loads it in a fraction o
 of tracing it again; a cold start builds the graphs it lacks several at once, in helper processes
 (compile_helpers.py). A graph that cannot be saved so is compiled through torch.compile. Every
 graph runs with torch's thread count, but the graph for one sequence runs with fewer threads when
-they ran its step clearly faster eagerly (workers/cpu_threads.py: where OpenMP's threads sleep
+they ran its step clearly faster eagerly (workers/compile/cpu_threads.py: where OpenMP's threads sleep
 between regions one thread wins a lone sequence's step; elsewhere the eager timing is too close to
 tell, and it misjudges larger batches). The count is chosen before the graph is built: a graph
 guards on the thread count, and timing the compiled step with each count would build it once per
@@ -45,12 +45,10 @@ import torch
 import torch.nn.functional as F
 
 from warpspec.kernels import PagedAttentionMetadata
-from warpspec.workers.cpu_threads import torch_threads
-from warpspec.workers.cuda_graphs import CudaGraphConfig, uniform_query_len
-from warpspec.workers.kv_groups import KVGroupLayout
-from warpspec.workers.step import SequenceStep, StepInput
-from warpspec.workers.step_artifacts import StepArtifacts, module_identity
-from warpspec.workers.torch_internals import (
+from warpspec.workers.compile.cpu_threads import torch_threads
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig, uniform_query_len
+from warpspec.workers.compile.step_artifacts import StepArtifacts, module_identity
+from warpspec.workers.compile.torch_internals import (
     cached_graphs,
     compile_with_inductor,
     forcing_eager,
@@ -58,7 +56,9 @@ from warpspec.workers.torch_internals import (
     mark_dynamic,
     marked_dynamic,
 )
-from warpspec.workers.vec_isa import vec_isa_options
+from warpspec.workers.compile.vec_isa import vec_isa_options
+from warpspec.workers.kv_groups import KVGroupLayout
+from warpspec.workers.step import SequenceStep, StepInput
 
 logger = logging.getLogger(__name__)
 

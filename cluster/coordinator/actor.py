@@ -92,7 +92,7 @@ class Coordinator:
 # core's loop holds a thread of its own ("core") for the actor's life; the other calls (the replica's
 # messages, timings, shutdown) run beside it, one at a time. `start` runs on the core's thread too, so
 # that loading and warming rank 0 up and stepping it compute from one thread: a second thread's
-# OpenMP pool made every step ~3.7x slower on 2 cores (workers/cpu_threads.py).
+# OpenMP pool made every step ~3.7x slower on 2 cores (workers/compile/cpu_threads.py).
 @ray.remote(concurrency_groups={"core": 1})
 class CoordinatorActor:
     def __init__(self):

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from warpspec.workers.torch_internals import failed_guard, fx_graph_cache_counts, inductor_default_cache_dir
+from warpspec.workers.compile.torch_internals import failed_guard, fx_graph_cache_counts, inductor_default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Collectives among the ranks of one model replica, behind one small interface.
 
 Backends: `local` (one rank, nothing to exchange), `gloo` (torch.distributed over TCP, for CPUs),
-`shm` (CPU ranks on one host, through shared memory: workers/shm_comm.py) and `nccl` (NCCL through
+`shm` (CPU ranks on one host, through shared memory: workers/distributed/shm_comm.py) and `nccl` (NCCL through
 CuPy, for GPUs; the unique id is made on rank 0 and handed to every rank by the coordinator). The
 model reduces only through `allreduce_residual_rmsnorm`, so a backend can fuse the reduction with the
 residual add and the norm.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from warpspec.kernels import add_rms_norm, batch_invariant, rms_norm
-from warpspec.workers import traced_collectives
+from warpspec.workers.distributed import traced_collectives
 
 
 @dataclass
@@ -130,7 +130,7 @@ class Communicator:
     def exchange_gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         raise NotImplementedError(f"{type(self).__name__} has no collective for {self.world_size} ranks")
 
-    # Inside a compiled step (workers/compiled_step.py): collectives the compiler traces, so that a
+    # Inside a compiled step (workers/compile/compiled_step.py): collectives the compiler traces, so that a
     # step of several ranks stays one graph. A failure surfaces when the step runs, where the runner
     # turns it into CollectiveError; the collectives of a compiled step are not counted.
     def _traced_all_reduce(self, x: torch.Tensor) -> torch.Tensor:

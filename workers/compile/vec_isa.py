@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from warpspec.workers.torch_internals import (
+from warpspec.workers.compile.torch_internals import (
     VEC_ISA_SWITCH,
     cpp_compiler,
     inductor_default_cache_dir,

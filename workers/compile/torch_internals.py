@@ -1,6 +1,6 @@
 """The private torch APIs warpspec uses, in one place, each with why no public API serves.
 
-Checked against torch 2.13.0 (TORCH_CHECKED). tests/workers/test_torch_internals.py calls each one on
+Checked against torch 2.13.0 (TORCH_CHECKED). tests/workers/compile/test_torch_internals.py calls each one on
 the installed torch and fails, naming it, when an upgrade moves or changes it.
 
 - inductor's default cache folder (torch._inductor.runtime.cache_dir_utils.default_cache_dir):

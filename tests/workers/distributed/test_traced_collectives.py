@@ -1,4 +1,4 @@
-"""A compiled step meets its peers inside its graph (workers/traced_collectives.py), over gloo and
+"""A compiled step meets its peers inside its graph (workers/distributed/traced_collectives.py), over gloo and
 over shared memory alike, built by the compiler and inductor options the engine's compiled steps use
 (compiled_step.CountingCompiler: the C++ wrapper included, which could not call torch's functional
 collectives on the CPU). A rank's step saved whole is loaded by the next start of that rank."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from helpers.rank_processes import rank_partial, run_two_ranks
-from warpspec.workers.comm import CommInit
-from warpspec.workers.communicators import make_communicator
-from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.shm_comm import shared_memory_available
-from warpspec.workers.step_artifacts import StepArtifacts
-from warpspec.workers.traced_collectives import register, unregister
+from warpspec.workers.compile.compiled_step import CountingCompiler
+from warpspec.workers.compile.step_artifacts import StepArtifacts
+from warpspec.workers.distributed.comm import CommInit
+from warpspec.workers.distributed.communicators import make_communicator
+from warpspec.workers.distributed.shm_comm import shared_memory_available
+from warpspec.workers.distributed.traced_collectives import register, unregister
 
 BACKENDS = ["gloo", pytest.param("shm", marks=pytest.mark.skipif(not shared_memory_available(),
                                                                   reason="needs an x86-64 host with /dev/shm"))]

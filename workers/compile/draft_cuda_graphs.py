@@ -3,7 +3,7 @@ single-token steps and the argmax between them, replayed as one graph.
 
 The draft is one decoder layer, so on a GPU each of its steps is a few dozen small kernels, and
 launching them one by one from Python costs more than running them. As for the target's graphs
-(workers/cuda_graphs.py), a graph fixes every shape. The requests are padded up to the next
+(workers/compile/cuda_graphs.py), a graph fixes every shape. The requests are padded up to the next
 captured batch size, and their block tables are widened to the most blocks a captured step allows;
 a proposal that does not fit (more requests than the largest size, or a longer table) runs as
 before. Each padding request's catch-up positions (0..k) and draft steps (k + 1..2k - 1) write into
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from warpspec.workers.cuda_graphs import capture
+from warpspec.workers.compile.cuda_graphs import capture
 
 # The arguments of Eagle3Proposer._greedy_proposal_forward, in order: input_ids, features, positions,
 # query_start_loc, seq_lens, block_tables, slot_mapping, last_rows.

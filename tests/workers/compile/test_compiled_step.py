@@ -18,8 +18,8 @@ import torch
 from helpers.hf_checkpoints import make_text_checkpoint
 from helpers.steps import build_step
 from warpspec import LLM, SamplingParams
-from warpspec.workers.compiled_step import CompiledStepRunner, CountingCompiler
-from warpspec.workers.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.compiled_step import CompiledStepRunner, CountingCompiler
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
 from warpspec.workers.kv_cache import CacheConfig
 from warpspec.workers.runner import ModelRunner
 from warpspec.workers.step import SequenceStep, StepInput
@@ -289,11 +289,11 @@ def test_each_graph_runs_with_the_thread_count_chosen_for_it_at_start_up(checkpo
     torch.set_num_threads(2)
     try:
         # One sequence's decode graph: 1 thread, as if the eager timing had found it twice as fast as
-        # 2, the only one timed; more sequences': torch's 2 (workers/cpu_threads.py).
+        # 2, the only one timed; more sequences': torch's 2 (workers/compile/cpu_threads.py).
         timed = []
         monkeypatch.setattr("warpspec.workers.runner.fastest_thread_count",
                             lambda run: (timed.append(run) or 1, {1: 1.0, 2: 2.0}))
-        # As on a first start: no saved build to take the count from (workers/step_artifacts.py).
+        # As on a first start: no saved build to take the count from (workers/compile/step_artifacts.py).
         monkeypatch.setattr(CompiledStepRunner, "saved_thread_count", lambda self, step: None)
         runner = ModelRunner(checkpoint, "float32", CacheConfig(block_size=BLOCK, num_blocks=16),
                              cuda_graphs=CudaGraphConfig(batch_sizes=(1, 2), query_lens=(1,), max_model_len=64))

@@ -1,4 +1,4 @@
-"""Same-host CPU ranks meet in shared memory (workers/shm_comm.py): sums that agree bit for bit on
+"""Same-host CPU ranks meet in shared memory (workers/distributed/shm_comm.py): sums that agree bit for bit on
 every rank, in chunks when a tensor outgrows a slot; gathers; a dead peer,
 or one that fails its part of a step, ends the wait with CollectiveError; the segment's name is gone
 once every rank has mapped it."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from helpers.rank_processes import rank_partial, run_two_ranks
-from warpspec.workers.comm import CollectiveError, CommInit
-from warpspec.workers.communicators import make_communicator
-from warpspec.workers.shm_comm import shared_memory_available
+from warpspec.workers.distributed.comm import CollectiveError, CommInit
+from warpspec.workers.distributed.communicators import make_communicator
+from warpspec.workers.distributed.shm_comm import shared_memory_available
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs an x86-64 host with /dev/shm")
 
@@ -24,7 +24,7 @@ SLOT_BYTES = 4096  # small, so that a [300, 7] float32 tensor (8,400 B) goes thr
 
 
 def _join(port: int, rank: int):
-    from warpspec.workers.shm_comm import SharedMemoryCommunicator
+    from warpspec.workers.distributed.shm_comm import SharedMemoryCommunicator
 
     return SharedMemoryCommunicator(CommInit("shm", rank, 2, "127.0.0.1", port), slot_bytes=SLOT_BYTES)
 
@@ -78,7 +78,7 @@ def _peer_fails(rank: int, port: int, results) -> None:
 def _peer_abandons_right_after_publishing(rank: int, port: int, results) -> None:
     """Rank 1 publishes collective 1, then abandons before rank 0 has looked at its flag (rank 0
     waits 0.5 s before looking): collective 1 must still succeed on rank 0, and collective 2 fail."""
-    from warpspec.workers.shm_comm import SharedMemoryCommunicator
+    from warpspec.workers.distributed.shm_comm import SharedMemoryCommunicator
 
     class SlowToLook(SharedMemoryCommunicator):
         def _wait_for_peers(self) -> None:
@@ -150,7 +150,7 @@ def test_shm_is_one_of_the_backends():
 def test_a_host_without_x86_store_order_is_refused_before_joining(monkeypatch):
     """The slots' safety rests on x86-64 store order (module docstring): elsewhere auto keeps gloo,
     and an explicit shm is refused, naming the option, before any rank joins a group."""
-    from warpspec.workers import shm_comm
+    from warpspec.workers.distributed import shm_comm
 
     monkeypatch.setattr(shm_comm.platform, "machine", lambda: "aarch64")
     assert not shm_comm.shared_memory_available()
@@ -159,7 +159,7 @@ def test_a_host_without_x86_store_order_is_refused_before_joining(monkeypatch):
 
 
 def test_more_ranks_than_the_flags_hold_are_refused():
-    from warpspec.workers.shm_comm import MAX_RANKS, SharedMemoryCommunicator
+    from warpspec.workers.distributed.shm_comm import MAX_RANKS, SharedMemoryCommunicator
 
     with pytest.raises(ValueError, match=f"comm_backend='shm' serves at most {MAX_RANKS} ranks, not 65"):
         SharedMemoryCommunicator(CommInit("shm", 0, 65))

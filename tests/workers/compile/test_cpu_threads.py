@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.cpu_threads import (
+from warpspec.workers.compile.compiled_step import CountingCompiler
+from warpspec.workers.compile.cpu_threads import (
     CLEAR_WIN,
     TIMED_RUNS,
     advise_on_sleeping_threads,
@@ -87,7 +87,7 @@ def _num_threads() -> int:
 
 def test_a_passing_thread_ends_with_its_openmp_pool():
     """Built in a thread that then ends, an engine leaves no second OpenMP pool behind to slow the
-    thread that steps it (workers/cpu_threads.py), while the event loop that built it lives on."""
+    thread that steps it (workers/compile/cpu_threads.py), while the event loop that built it lives on."""
     torch.randn(64, 4096).softmax(-1)  # this thread's own pool, if it had none yet
     before = _num_threads()
 
@@ -124,11 +124,11 @@ def test_sleeping_threads_are_named_with_what_to_set_once_a_process(monkeypatch,
     spin count, one thread or another wait policy need none."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.setattr("warpspec.workers.cpu_threads._advised", [])
+    monkeypatch.setattr("warpspec.workers.compile.cpu_threads._advised", [])
     with torch_threads(2):
         advice = sleeping_threads_advice()
         assert advice is not None and "OMP_WAIT_POLICY=PASSIVE" in advice and "GOMP_SPINCOUNT=10000" in advice
-        with caplog.at_level(logging.WARNING, logger="warpspec.workers.cpu_threads"):
+        with caplog.at_level(logging.WARNING, logger="warpspec.workers.compile.cpu_threads"):
             advise_on_sleeping_threads()
             advise_on_sleeping_threads()
         assert [r.getMessage() for r in caplog.records] == [advice]

@@ -1,4 +1,4 @@
-"""A cold start's graphs built in forked helpers (workers/compile_helpers.py): a helper's graph is
+"""A cold start's graphs built in forked helpers (workers/compile/compile_helpers.py): a helper's graph is
 saved, loaded by the start and counted as compiled by it, and runs as the eager step does; a helper
 that fails, or hangs and is stopped, leaves its graph to the start; a helper computes with OpenMP
 although its parent did; the helper count and its bad values."""
@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from warpspec.workers import compile_helpers, step_artifacts
-from warpspec.workers.compile_helpers import ENV, build_in_helpers, helper_count
-from warpspec.workers.compiled_step import CountingCompiler
-from warpspec.workers.step_artifacts import StepArtifacts, graphs_built, module_identity
+from warpspec.workers.compile import compile_helpers, step_artifacts
+from warpspec.workers.compile.compile_helpers import ENV, build_in_helpers, helper_count
+from warpspec.workers.compile.compiled_step import CountingCompiler
+from warpspec.workers.compile.step_artifacts import StepArtifacts, graphs_built, module_identity
 
 
 class Scale(torch.nn.Module):
@@ -84,7 +84,7 @@ def test_a_helper_that_hangs_is_stopped_and_its_graph_left_to_the_start(tmp_path
     monkeypatch.setattr(compile_helpers, "GRACE_BUILDS", 0)
     model, compiler, inputs, builds = _two_graphs(tmp_path, hang_in_helper_of=os.getpid())
     began = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="warpspec.workers.compile_helpers"):
+    with caplog.at_level(logging.WARNING, logger="warpspec.workers.compile.compile_helpers"):
         assert build_in_helpers(builds, "test") == 1
     assert time.monotonic() - began < 60  # not the helper's 600 s
     assert "stopping it" in caplog.text
@@ -103,7 +103,7 @@ def test_without_helpers_nothing_is_built_before_the_start_does_it(tmp_path, mon
 
 FORK_AFTER_OPENMP = """
 import os, sys, functools, torch
-from warpspec.workers.compile_helpers import build_in_helpers
+from warpspec.workers.compile.compile_helpers import build_in_helpers
 torch.set_num_threads(2)
 a = torch.randn(1024, 1024)
 for _ in range(3):

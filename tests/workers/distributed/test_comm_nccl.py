@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from warpspec.kernels import add_rms_norm
-from warpspec.workers.comm import CommInit
-from warpspec.workers.communicators import make_communicator
+from warpspec.workers.distributed.comm import CommInit
+from warpspec.workers.distributed.communicators import make_communicator
 
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                     reason="needs 2 CUDA GPUs")
@@ -32,7 +32,7 @@ def _rank_main(rank: int, unique_id: bytes, results) -> None:
 def test_nccl_fused_allreduce_matches_the_reference():
     import torch.multiprocessing as mp
 
-    from warpspec.workers.comm import make_nccl_unique_id
+    from warpspec.workers.distributed.comm import make_nccl_unique_id
 
     unique_id = make_nccl_unique_id()
     results = mp.Manager().dict()

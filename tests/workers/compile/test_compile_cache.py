@@ -1,4 +1,4 @@
-"""The compile cache folder and its bundles (workers/compile_cache.py): where inductor keeps its
+"""The compile cache folder and its bundles (workers/compile/compile_cache.py): where inductor keeps its
 artifacts, a folder that cannot be used, and bundles that carry a process's artifacts to an empty
 folder, refused when they are corrupt or were built for something else."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from warpspec.workers.compile_cache import (
+from warpspec.workers.compile.compile_cache import (
     MANIFEST,
     build_fingerprint,
     list_files,
@@ -23,8 +23,12 @@ from warpspec.workers.compile_cache import (
     pack,
     unpack,
 )
-from warpspec.workers.torch_internals import compile_with_inductor, fx_graph_cache_counts, inductor_default_cache_dir
-from warpspec.workers.vec_isa import vec_isa_options
+from warpspec.workers.compile.torch_internals import (
+    compile_with_inductor,
+    fx_graph_cache_counts,
+    inductor_default_cache_dir,
+)
+from warpspec.workers.compile.vec_isa import vec_isa_options
 
 
 @pytest.fixture(autouse=True)

@@ -14,10 +14,10 @@ from helpers.eagle3_checkpoints import make_speculation_draft, make_speculation_
 from warpspec.sample.keyed_random import KeyedRandom
 from warpspec.spec_decode.eagle3 import Eagle3Proposer
 from warpspec.spec_decode.proposer import DraftRequest
-from warpspec.workers.cuda_graphs import CudaGraphConfig
-from warpspec.workers.draft_cuda_graphs import DraftGraphRunner, pad_greedy_proposal
-from warpspec.workers.eagle3 import load_eagle3
+from warpspec.workers.compile.cuda_graphs import CudaGraphConfig
+from warpspec.workers.compile.draft_cuda_graphs import DraftGraphRunner, pad_greedy_proposal
 from warpspec.workers.loader import read_checkpoint_tensor
+from warpspec.workers.models.eagle3_draft import load_eagle3
 from warpspec.workers.models.registry import load_model_config
 
 BLOCK = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warpspec.workers.comm import CollectiveError, Communicator
+from warpspec.workers.distributed.comm import CollectiveError, Communicator
 
 
 class PeerGone(Communicator):

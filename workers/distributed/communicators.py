@@ -3,8 +3,8 @@ gloo's TCP (comm.py), shared memory between ranks of one host (shm_comm.py), or 
 
 from __future__ import annotations
 
-from warpspec.workers.comm import CommInit, Communicator, GlooCommunicator, NcclCommunicator
-from warpspec.workers.shm_comm import SharedMemoryCommunicator
+from warpspec.workers.distributed.comm import CommInit, Communicator, GlooCommunicator, NcclCommunicator
+from warpspec.workers.distributed.shm_comm import SharedMemoryCommunicator
 
 BACKENDS = ("local", "gloo", "shm", "nccl")
 

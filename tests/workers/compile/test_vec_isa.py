@@ -1,4 +1,4 @@
-"""workers/vec_isa.py: inductor's instruction-set probe runs once per host, in real processes.
+"""workers/compile/vec_isa.py: inductor's instruction-set probe runs once per host, in real processes.
 
 Each "start" is a Python process of its own, as a worker or coordinator is: inductor keeps a probe's
 answer for its process, so only a new process shows whether it probes. The suite's inductor folder
@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from warpspec.workers import torch_internals
-from warpspec.workers.vec_isa import host_facts, read_record, should_record, vec_isa_options
+from warpspec.workers.compile import torch_internals
+from warpspec.workers.compile.vec_isa import host_facts, read_record, should_record, vec_isa_options
 
 # A start: counts inductor's probes of a listed set (VecISA.check_build of its common program, once
 # per set; AVX-512 and AMX build extra programs for their variants whatever the switch says), then
@@ -24,7 +24,7 @@ START = textwrap.dedent("""
     import json, sys
     import torch
     from torch._inductor import config, cpu_vec_isa
-    from warpspec.workers.vec_isa import vec_isa_options
+    from warpspec.workers.compile.vec_isa import vec_isa_options
 
     probes = []
     check_build = cpu_vec_isa.VecISA.check_build
@@ -94,6 +94,6 @@ def test_only_a_probe_that_found_every_listed_set_usable_is_recorded():
 def test_a_record_that_cannot_be_written_costs_only_the_probe(tmp_path, listed, caplog):
     (tmp_path / "file").write_text("")
     record = tmp_path / "file" / "vec-isa.json"  # its folder is a file
-    with caplog.at_level("INFO", logger="warpspec.workers.vec_isa"):
+    with caplog.at_level("INFO", logger="warpspec.workers.compile.vec_isa"):
         assert vec_isa_options(record) == {"cpp.vec_isa_ok": True}
     assert not record.exists() and "not recorded" in caplog.text
