@@ -1,14 +1,15 @@
 """`warpspec bench compare`: the headline comparison on the bundled model pair, in one run, same
 prompts (held-out documentation excerpts) and output lengths: transformers `generate` greedy,
-transformers assisted generation by prompt lookup (k=3), warpspec without speculation and with EAGLE-3,
-on 1 and 2 workers, at batch 1 and 8, and with --vllm, vLLM's CPU build plain and with the same draft
-(benchmarks/vllm_peer.py). Where warpspec compiles its steps (one rank on a CPU) it also
-runs with enforce_eager, side by side. Batch 1 runs each of the first --batch1-prompts held-out
-prompts alone and reports the median over them (acceptance varies by prompt); a larger batch runs
-the first prompts together. Tokens/s per user, ratios to transformers' greedy, and the draft's share
-of step time; Markdown, JSON and a PNG bar chart under runs/bench/. Every configuration runs greedy,
-so all of them must emit the same tokens (checked, and reported). The header says how OpenMP threads
-wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT) and how many torch uses: on a CPU each changes every figure.
+transformers assisted generation by prompt lookup (k=3), warpspec without speculation, with EAGLE-3
+and with its own prompt lookup drafts (speculative_method="ngram", k=3), on 1 and 2 workers, at batch
+1 and 8, and with --vllm, vLLM's CPU build plain and with the same draft (benchmarks/vllm_peer.py).
+Where warpspec compiles its steps (one rank on a CPU) it also runs with enforce_eager, side by side.
+Batch 1 runs each of the first --batch1-prompts held-out prompts alone and reports the median over
+them (acceptance varies by prompt); a larger batch runs the first prompts together. Tokens/s per
+user, ratios to transformers' greedy, and the draft's share of step time; Markdown, JSON and a PNG
+bar chart under runs/bench/. Every configuration runs greedy, so all of them must emit the same
+tokens (checked, and reported). The header says how OpenMP threads wait (OMP_WAIT_POLICY,
+GOMP_SPINCOUNT) and how many torch uses: on a CPU each changes every figure.
 
 Another pair: --target, --draft and --prompts (equal-length token ids in the held-out prompts' JSON
 format); any engine option of `warpspec serve` (--block-size, --max-num-seqs, ...) applies to every
@@ -42,10 +43,11 @@ from warpspec.workers.models.registry import load_model_config
 HF_GREEDY = "transformers greedy"
 HF_LOOKUP = "transformers prompt lookup (k=3)"
 VLLM, VLLM_EAGLE3 = "vLLM", "vLLM + EAGLE-3 (k=3)"
+LOOKUP = "warpspec + prompt lookup (k=3)"  # speculative_method="ngram", transformers' prompt lookup's peer
 EAGER = " eager"  # "warpspec eager": enforce_eager=True
 # Engine options the comparison sets itself, per system: the rest are flags, the same for every engine.
 OWN_OPTIONS = ("dtype", "enforce_eager", "run_dir", "num_workers", "executor", "comm_backend",
-               "enable_prefix_caching", "draft", "num_speculative_tokens", "speculative_policy")
+               "enable_prefix_caching", "draft", "speculative_method", "num_speculative_tokens", "speculative_policy")
 
 
 def read_prompts(path: str, vocab_size: int) -> list[list[int]]:
@@ -102,7 +104,7 @@ def thread_choices(systems: list[dict]) -> dict[str, dict[str, int]]:
         engine = s["llm"].engine if "llm" in s else None
         runner = getattr(getattr(engine, "executor", None), "runner", None)
         graphs = getattr(getattr(runner, "graph_runner", None), "thread_counts", {})
-        drafts = getattr(getattr(engine, "proposer", None), "thread_counts", {})
+        drafts = getattr(getattr(getattr(engine, "proposer", None), "graphs", None), "thread_counts", {})
         counts = {str(g): n for g, n in graphs.items()} | {f"draft {g}": n for g, n in drafts.items()}
         if counts:
             chosen[f"{s['system']} ({s['workers']})"] = counts
@@ -142,7 +144,7 @@ def policy_table(rows: list[dict], batches: list[int]) -> str:
     lines = []
     for workers in dict.fromkeys(r["workers"] for r in rows if r["system"].endswith("(adaptive)")):
         plain_name = next(r["system"] for r in rows if r["workers"] == workers and r["system"].startswith("warpspec")
-                          and "EAGLE" not in r["system"])
+                          and "+" not in r["system"])
         eager = plain_name.removeprefix("warpspec")
         cells = []
         for b in batches:
@@ -168,6 +170,8 @@ def peer_table(rows: list[dict], batches: list[int]) -> str:
     for r in rows:
         if not r["system"].startswith("warpspec") or r["workers"] not in ("1", "ray1"):
             continue
+        if LOOKUP in r["system"]:
+            continue  # vLLM's CPU build is run without its n-gram drafts
         peer = peers.get(VLLM_EAGLE3 if "EAGLE" in r["system"] else VLLM)
         cells = []
         for b in batches:
@@ -239,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm", metavar="PYTHON",
                         help="also run vLLM's CPU build, plain and with the draft: the Python of a venv that has it "
                              "(make vllm-peer: runs/vllm-venv/bin/python)")
+    parser.add_argument("--methods", default="eagle3,ngram",
+                        help="the drafters warpspec runs with besides plain decoding: eagle3 (the draft, one engine "
+                             "per draft length policy), ngram (prompt lookup, k=3, fixed), or one of them")
     parser.add_argument("--speculative-policies", default="fixed",
                         help="one EAGLE-3 engine per draft length policy: fixed (k=3 at every step), adaptive "
                              "(each step's length from measured costs), or both: fixed,adaptive")
@@ -257,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if not policies or any(p not in SPECULATIVE_POLICIES for p in policies):
         raise SystemExit(f"--speculative-policies: a list of {', '.join(SPECULATIVE_POLICIES)}, got "
                          f"{args.speculative_policies!r}")
+    methods = args.methods.split(",")
+    if not methods or any(m not in ("eagle3", "ngram") for m in methods):
+        raise SystemExit(f"--methods: a list of eagle3, ngram, got {args.methods!r}")
     if args.vllm:
         check_python(args.vllm)
     prompts = read_prompts(args.prompts, load_model_config(args.target).vocab_size)
@@ -278,9 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         from warpspec.executor.ray_env import connect_ray
 
         connect_ray(args.run_dir, num_cpus=ray_cpus)
-    speculating = [(eagle3_system(policy, policies), args.draft, policy) for policy in policies]
+    # (name, drafter options, draft length policy) of each warpspec engine on every worker layout.
+    speculating = [(eagle3_system(policy, policies), {"draft": args.draft}, policy)
+                   for policy in policies if "eagle3" in methods]
+    speculating += [(LOOKUP, {"speculative_method": "ngram"}, "fixed")] if "ngram" in methods else []
     engines = [(layout, mode, system) for layout in layouts for mode, system in itertools.product(
-        step_modes(layout[1], args.enforce_eager, args.compiled_only), (("warpspec", None, "fixed"), *speculating))]
+        step_modes(layout[1], args.enforce_eager, args.compiled_only), (("warpspec", {}, "fixed"), *speculating))]
     with contextlib.ExitStack() as stack:
         if args.vllm:
             print("starting vLLM's two engines (plain, EAGLE-3) in their own process: minutes, they compile")
@@ -292,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                         {"system": VLLM_EAGLE3, "workers": 0, "peer": peer,
                          "run": peer.runner("eagle3", args.new_tokens)}]
         # Each engine compiles its steps as it starts (cached under --run-dir): minutes, cold.
-        for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, draft, policy) in tqdm(
+        for (workers, num_workers, executor, comm_backend), (mode, enforce_eager), (name, drafter, policy) in tqdm(
                 engines, desc="start engines", unit="engine"):
-            llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, draft=draft,
+            llm = stack.enter_context(LLM(args.target, dtype=args.dtype, num_workers=num_workers, **drafter,
                                           executor=executor, comm_backend=comm_backend,
                                           enable_prefix_caching=False, speculative_policy=policy,
                                           enforce_eager=enforce_eager, run_dir=args.run_dir, **engine_options))

@@ -26,7 +26,8 @@ def test_bench_compare_prints_the_table_with_identical_tokens(tmp_path, capsys, 
     assert "| workers | batch 1: adaptive vs the better | batch 17: adaptive vs the better |" in out
     rows = json.loads((tmp_path / "bench" / "compare.json").read_text())
     assert {r["system"] for r in rows} == {compare.HF_GREEDY, compare.HF_LOOKUP, "warpspec eager",
-                                           "warpspec eager + EAGLE-3 (fixed)", "warpspec eager + EAGLE-3 (adaptive)"}
+                                           "warpspec eager + EAGLE-3 (fixed)", "warpspec eager + EAGLE-3 (adaptive)",
+                                           "warpspec eager + prompt lookup (k=3)"}
     assert all(r["same_tokens"] for r in rows)
     assert (tmp_path / "bench" / "compare.png").stat().st_size > 0
 
@@ -35,13 +36,14 @@ def test_bench_compare_prints_the_table_with_identical_tokens(tmp_path, capsys, 
 def test_one_worker_runs_compiled_and_eager_side_by_side(tmp_path, capsys):
     """On the speculative-decoding tests' pair at their block size (4): its compiled engine is then
     built from the target's and the draft's steps those tests saved (tests/spec_decode), not compiled
-    again; the bundled pair's steps would be compiled here alone (344 s of CI's run)."""
+    again; the bundled pair's steps would be compiled here alone (344 s of CI's run), as would a prompt
+    lookup engine's (its target steps capture no hidden states: 234 s here), so it runs EAGLE-3 alone."""
     target, draft = make_speculation_target(tmp_path / "target"), make_speculation_draft(tmp_path / "draft")
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompt_token_ids": [list(range(3 + i, 23 + i)) for i in range(2)]}))
     assert compare.main(["--target", str(target), "--draft", str(draft), "--prompts", str(prompts), "--block-size", "4",
                          "--batch-sizes", "1", "--workers", "1", "--new-tokens", "6", "--repeats", "1",
-                         "--batch1-prompts", "2", "--run-dir", str(tmp_path)]) == 0
+                         "--batch1-prompts", "2", "--methods", "eagle3", "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "OMP_WAIT_POLICY=" in out and "'draft (4, True)'" in out  # the draft's graphs report their threads
     assert "engine options {'block_size': 4}" in out
@@ -79,6 +81,11 @@ def test_prompts_the_comparison_cannot_run_are_refused(tmp_path, content, messag
 def test_an_engine_option_of_the_wrong_kind_is_refused_naming_it():
     with pytest.raises(SystemExit, match="block_size must be int, got 'four'"):
         compare.main(["--block-size", "four"])
+
+
+def test_an_unknown_drafter_is_refused():
+    with pytest.raises(SystemExit, match="--methods: a list of eagle3, ngram, got 'eagle3,medusa'"):
+        compare.main(["--methods", "eagle3,medusa"])
 
 
 def test_an_unknown_draft_length_policy_is_refused():
