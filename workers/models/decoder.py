@@ -13,6 +13,8 @@ reduction is one `allreduce_residual_rmsnorm`, two per decoder layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,6 +24,7 @@ from warpspec.workers.kv_groups import KVGroupLayout
 from warpspec.workers.layers import (
     CheckpointTensor,
     ColumnParallelLinear,
+    RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -137,17 +140,31 @@ class GatedMLP(nn.Module):
         return self.down_proj(batch_invariant.silu_mul(gate, up))
 
 
-class DecoderForCausalLM(nn.Module):
-    """A decoder-only causal LM over self.model: embed_tokens, layers and norm. Each layer has an
-    input_layernorm, a self_attn (Attention) and is called as layer(positions, normed, residual,
-    step, freqs_cis, attn_metas) -> (its feed-forward's partial output, the residual stream after
-    attention). A family subclasses it and declares how its checkpoints name and lay out tensors."""
+class DecoderModel(nn.Module):
+    """The stack under the logits head, named as transformers names it: embed_tokens, layers, norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Communicator, model: nn.Module):
+    def __init__(self, config: ModelConfig, comm: Communicator, dtype: torch.dtype,
+                 make_layer: Callable[[int], nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, dtype)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder-only causal LM over self.model (DecoderModel). Each layer, made by make_layer(layer
+    id), has an input_layernorm, a self_attn (Attention) and is called as layer(positions, normed,
+    residual, step, freqs_cis, attn_metas) -> (its feed-forward's partial output, the residual
+    stream after attention). A family subclasses it, names its layers, and declares how its
+    checkpoints name and lay out tensors."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, comm: Communicator | None,
+                 make_layer: Callable[[int], nn.Module]):
+        """comm None: one rank."""
         super().__init__()
         self.config = config
-        self.comm = comm
-        self.model = model
+        self.comm = comm = comm or Communicator()
+        self.model = DecoderModel(config, comm, dtype, make_layer)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:

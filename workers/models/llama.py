@@ -19,7 +19,7 @@ from torch import nn
 from warpspec.kernels import PagedAttentionMetadata
 from warpspec.workers.distributed.comm import Communicator
 from warpspec.workers.errors import CheckpointError
-from warpspec.workers.layers import CheckpointTensor, RMSNorm, VocabParallelEmbedding
+from warpspec.workers.layers import CheckpointTensor, RMSNorm
 from warpspec.workers.model_config import ModelConfig
 from warpspec.workers.models.decoder import Attention, DecoderForCausalLM, GatedMLP
 from warpspec.workers.step import StepInput
@@ -85,22 +85,13 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, comm: Communicator, dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, comm, dtype) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
-
-
 class LlamaForCausalLM(DecoderForCausalLM):
     config_class = LlamaConfig
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype, comm: Communicator | None = None,
                  moe_parallel: str = "tensor"):
         """moe_parallel: unused (no experts), taken as every family's constructor takes it."""
-        comm = comm or Communicator()
-        super().__init__(config, dtype, comm, LlamaModel(config, comm, dtype))
+        super().__init__(config, dtype, comm, lambda layer_id: LlamaDecoderLayer(config, self.comm, dtype))
 
     def adapt_checkpoint_tensor(self, name: str, tensor: CheckpointTensor) -> CheckpointTensor:
         if name.split(".")[-2:-1] in (["q_proj"], ["k_proj"]):  # the weight, or its FP8 scales

@@ -23,7 +23,6 @@ from warpspec.workers.layers import (
     CheckpointTensor,
     Linear,
     RMSNorm,
-    VocabParallelEmbedding,
     check_shape,
     empty_param,
     even_split,
@@ -246,22 +245,13 @@ class Llama4DecoderLayer(nn.Module):
         return self.feed_forward(hidden), residual
 
 
-class Llama4Model(nn.Module):
-    def __init__(self, config: Llama4Config, comm: Communicator, dtype: torch.dtype, moe_parallel: str = "tensor"):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm, dtype)
-        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, comm, dtype, moe_parallel)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, comm, dtype)
-
-
 class Llama4ForCausalLM(DecoderForCausalLM):
     config_class = Llama4Config
 
     def __init__(self, config: Llama4Config, dtype: torch.dtype, comm: Communicator | None = None,
                  moe_parallel: str = "tensor"):
-        comm = comm or Communicator()
-        super().__init__(config, dtype, comm, Llama4Model(config, comm, dtype, moe_parallel))
+        super().__init__(config, dtype, comm,
+                         lambda layer_id: Llama4DecoderLayer(config, layer_id, self.comm, dtype, moe_parallel))
 
     @classmethod
     def sharded_widths(cls, config: Llama4Config) -> dict[str, int]:
