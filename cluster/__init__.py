@@ -1,4 +1,4 @@
-"""warpspec: serving Llama 4 mixture-of-experts models with EAGLE-3 speculative decoding on Ray.
+"""warpspec: serving Llama 4 mixture-of-experts models (and dense Llama) with speculative decoding on Ray.
 
 The public names load on first use, so that importing a submodule that needs no Ray (the kernels,
 the GPU check run on a machine that has torch and Triton only) does not import Ray."""

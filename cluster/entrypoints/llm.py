@@ -19,9 +19,9 @@ from warpspec.spec_decode.proposer import Proposer
 
 
 class LLM:
-    """Offline generation over a Llama 4 checkpoint folder, in this process (num_workers=1) or
-    sharded over num_workers Ray worker actors (a local Ray cluster is started unless RAY_ADDRESS
-    names one).
+    """Offline generation over a checkpoint folder (of a family workers/models/ serves), in this
+    process (num_workers=1) or sharded over num_workers Ray worker actors (a local Ray cluster is
+    started unless RAY_ADDRESS names one).
 
     >>> with LLM(model="path/to/checkpoint", dtype="float32") as llm:
     ...     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))

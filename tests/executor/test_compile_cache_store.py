@@ -36,7 +36,7 @@ class Compiler:
 
 
 def warm_up_in_a_new_process(folder: Path, key: str, fingerprint: dict[str, str]):
-    actor = Compiler.remote(str(folder), str(Path(__file__).parents[1] / "workers"))
+    actor = Compiler.remote(str(folder), str(Path(__file__).parents[1] / "workers" / "compile"))
     ray.get(actor.warm_up.remote(key, fingerprint))
     ray.kill(actor)
     return next(e for e in reversed(compile_cache_events()) if e.key == key)

@@ -1,4 +1,4 @@
-"""RoPE frequencies for the scaling types Llama 4 checkpoints use (default, llama3, linear), in
+"""RoPE frequencies for the scaling types Llama checkpoints use (default, llama3, linear), in
 transformers' formulas, returned as complex rotations for the interleaved pair form."""
 
 from __future__ import annotations
