@@ -18,18 +18,31 @@ def test_bench_compare_prints_the_table_with_identical_tokens(tmp_path, capsys, 
     # Eager: compiling two ranks' steps and the draft's took 5 of CI's minutes, and the compiled
     # steps over two workers have their own test (tests/executor/test_sharded.py).
     # Both draft length policies, and a batch past the 16 held-out prompts (they repeat).
+    # EAGLE-3 alone: a fourth engine of 2 workers finds no room in the session's 8-CPU cluster.
     assert compare.main(["--batch-sizes", "1,17", "--workers", "2", "--new-tokens", "6", "--repeats", "1",
-                         "--enforce-eager", "--speculative-policies", "fixed,adaptive",
+                         "--enforce-eager", "--speculative-policies", "fixed,adaptive", "--methods", "eagle3",
                          "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| transformers greedy |" in out
     assert "| workers | batch 1: adaptive vs the better | batch 17: adaptive vs the better |" in out
     rows = json.loads((tmp_path / "bench" / "compare.json").read_text())
     assert {r["system"] for r in rows} == {compare.HF_GREEDY, compare.HF_LOOKUP, "warpspec eager",
-                                           "warpspec eager + EAGLE-3 (fixed)", "warpspec eager + EAGLE-3 (adaptive)",
-                                           "warpspec eager + prompt lookup (k=3)"}
+                                           "warpspec eager + EAGLE-3 (fixed)", "warpspec eager + EAGLE-3 (adaptive)"}
     assert all(r["same_tokens"] for r in rows)
     assert (tmp_path / "bench" / "compare.png").stat().st_size > 0
+
+
+def test_prompt_lookup_runs_beside_transformers_prompt_lookup(tmp_path, capsys):
+    """warpspec's own prompt lookup drafts (speculative_method="ngram") beside transformers', in this
+    process and eager: the same tokens, and an acceptance length for its row."""
+    # 48 tokens: the bundled target's greedy text repeats itself within them, so lookups draft.
+    assert compare.main(["--batch-sizes", "1", "--workers", "1", "--new-tokens", "48", "--repeats", "1",
+                         "--batch1-prompts", "1", "--enforce-eager", "--methods", "ngram",
+                         "--run-dir", str(tmp_path)]) == 0
+    rows = {r["system"]: r for r in json.loads((tmp_path / "bench" / "compare.json").read_text())}
+    assert set(rows) == {compare.HF_GREEDY, compare.HF_LOOKUP, "warpspec eager", "warpspec eager + prompt lookup (k=3)"}
+    assert all(r["same_tokens"] for r in rows.values())
+    assert rows["warpspec eager + prompt lookup (k=3)"]["acceptance_length"]["1"] > 1
 
 
 @pytest.mark.slow
