@@ -46,13 +46,9 @@ PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 COMM_BACKENDS = ("auto", "gloo", "shm", "nccl")
 MOE_PARALLEL_MODES = ("tensor", "expert")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
-# The drafters speculative.method may name, and what each reads. spec_decode/methods.py loads each
-# (a test holds the two tables to the same names).
-SPECULATIVE_METHODS = {
-    "eagle3": "an EAGLE-3 draft model, its folder named by draft",
-    "ngram": "prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens "
-             "(prompt_lookup_max down to prompt_lookup_min) in the request's own text; no draft model",
-}
+# The drafters speculative.method may name: eagle3 (a draft model, its folder named by draft) and
+# ngram (prompt lookup, no model). spec_decode/methods.py loads each; a test holds the two to the same names.
+SPECULATIVE_METHODS = ("eagle3", "ngram")
 MAX_SPECULATIVE_TOKENS = 16  # drafts one verification step may hold
 
 

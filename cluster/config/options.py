@@ -112,7 +112,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("speculative_method", "speculative.method", str, None,
                  "the drafter: eagle3 (a draft model, default when draft is given) or ngram (prompt lookup in the "
                  "request's own text, no draft model); unset without a draft: no speculation",
-                 tuple(SPECULATIVE_METHODS)),
+                 SPECULATIVE_METHODS),
     EngineOption("draft", "speculative.draft", str, None, "an EAGLE-3 draft folder: speculative decoding"),
     EngineOption("num_speculative_tokens", "speculative.num_speculative_tokens", int,
                  SpeculativeConfig.num_speculative_tokens, "draft tokens verified per target step"),

@@ -93,6 +93,8 @@ class EngineCore:
             with self.startup.phase("draft"):
                 proposer = self._load_proposer()
         self.proposer = proposer
+        # The target layers whose entering hidden states the proposer reads, asked for at every step.
+        self.aux_layer_ids = list(proposer.aux_layer_ids) if proposer is not None else []
         # The draft's KV at a block's last position pairs it with the token after the block: a
         # cached block is reusable only by requests that continue it with the same token.
         self.kv_layout = kv_group_layout(self.model_config, config.cache.hybrid)
@@ -124,12 +126,11 @@ class EngineCore:
     def _warm_up(self) -> None:
         """Let the ranks, and the draft, build their compiled step graphs before the first request
         (ModelRunner.warm_up, Eagle3Proposer.warm_up; no-ops where nothing compiles)."""
-        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
         if self.config.enforce_eager:
-            self.executor.warm_up(aux_layer_ids)  # nothing to build: not a phase
+            self.executor.warm_up(self.aux_layer_ids)  # nothing to build: not a phase
         else:
             with self.startup.phase("compile target steps") as phase:
-                phase.detail = graphs_built_by(lambda: self.executor.warm_up(aux_layer_ids), "rank 0")
+                phase.detail = graphs_built_by(lambda: self.executor.warm_up(self.aux_layer_ids), "rank 0")
         warm_up_draft = getattr(self.proposer, "warm_up", None)  # a proposer need not compile anything
         if warm_up_draft is None:
             with self.startup.phase("warm-up prompt") as phase:
@@ -154,9 +155,8 @@ class EngineCore:
         num_tokens = min(WARM_UP_PROMPT_TOKENS, self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1,
                          self.executor.num_blocks * self.block_size)
         self.left_request_ids.append(STAND_IN_PROMPT_ID)
-        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer is not None else []
         return run_stand_in_prompt(self.executor, self.kv_layout, self.block_size, num_tokens,
-                                   self.model_config.vocab_size, aux_layer_ids,
+                                   self.model_config.vocab_size, self.aux_layer_ids,
                                    (self.proposer, self.draft_lengths.max_drafts) if with_draft else None)
 
     def _load_proposer(self) -> Proposer:
@@ -291,10 +291,10 @@ class EngineCore:
             plan.append(SequenceStep(token_ids, item.num_cached, self.block_manager.block_tables[request_id],
                                      self._logits_from(item), request_id,
                                      self.block_manager.window_tables[request_id]))
-        aux_layer_ids = list(self.proposer.aux_layer_ids) if self.proposer else []
         left, self.left_request_ids = self.left_request_ids, []
         execute_start = time.perf_counter()
-        output = self.executor.execute(StepPlan(plan, self.block_size, aux_layer_ids, left, self.kv_layout.chunk_size))
+        output = self.executor.execute(StepPlan(plan, self.block_size, self.aux_layer_ids, left,
+                                                self.kv_layout.chunk_size))
         if self.times_gpu_steps:  # the GPU's work is queued: wait for it, or the step reads as its launch
             torch.cuda.synchronize()
         execute_s = time.perf_counter() - execute_start

@@ -1,7 +1,7 @@
 """The drafters speculative.method names, each built into a proposer wherever the engine core runs
 (the replica's process beside a one-rank target, or the coordinator actor beside rank 0). A new
-drafter is its own module plus one line of PROPOSERS (and its name in config's SPECULATIVE_METHODS,
-with what it reads: a test holds the two to the same names)."""
+drafter is its own module plus one line of PROPOSERS (and its name in config's SPECULATIVE_METHODS:
+a test holds the two to the same names)."""
 
 from __future__ import annotations
 
